@@ -1,0 +1,179 @@
+"""Configuration: frozen dataclasses, each option's default and help written once.
+
+The CLI is generated from these classes (``cadence.cli``), so a new option is
+added here and nowhere else. Pure Python: ``cadence.core`` may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREFIX_HASH_ALGOS = ("builtin", "sha256")
+# Drafting methods that need KV slots beyond the verified tokens for the
+# drafter's own forward passes (the draft model writes its KV there).
+LOOKAHEAD_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with its help text (read by the CLI generator)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not allowed in config classes")
+    return field(default=default, metadata={"help": help})
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may put into one step."""
+
+    max_num_seqs: int = option(256, "Most requests running at once.")
+    max_num_batched_tokens: int = option(
+        2048, "Token budget of one step (prefill chunks, decodes and speculative tokens)."
+    )
+    max_model_len: int = option(2048, "Longest sequence (prompt + output) a request may reach.")
+    enable_chunked_prefill: bool = option(
+        True, "Split long prompts over several steps instead of waiting for a whole-prompt budget."
+    )
+    long_prefill_token_threshold: int = option(
+        0, "Cap on the tokens one request may take in a step (0: no cap)."
+    )
+    policy: str = option("fcfs", "Queue order: fcfs, or priority (lower value first).")
+    async_scheduling: bool = option(
+        False, "Schedule the next step while the current one runs (output placeholders)."
+    )
+    max_num_encoder_input_tokens: int | None = option(
+        None, "Encoder-input token budget per step (default: max_num_batched_tokens)."
+    )
+    encoder_cache_size: int | None = option(
+        None, "Encoder outputs, in tokens, kept until the decoder consumed them (default: the budget)."
+    )
+    disable_chunked_mm_input: bool = option(
+        False, "Never split a multimodal item's placeholder tokens across steps."
+    )
+    admission_safety_margin: float = option(
+        0.0,
+        "Admit no new request while fewer than this fraction of KV blocks are free "
+        "(running requests keep going; 0: off).",
+    )
+    prefill_first: bool = option(
+        False, "Serve running requests that are still prefilling before decoding ones."
+    )
+    max_num_kv_read_tokens: int | None = option(
+        None, "Per-step budget of KV-cache tokens read by attention (None: no budget)."
+    )
+    sliding_window: int | None = option(
+        None, "Attention window of the model; caps what one request reads from the KV cache."
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _require(
+            self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"
+        )
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            "policy",
+            f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+        )
+        _require(
+            0.0 <= self.admission_safety_margin < 1.0,
+            "admission_safety_margin",
+            "must be in [0, 1)",
+        )
+        if self.max_num_kv_read_tokens is not None:
+            _require(self.max_num_kv_read_tokens >= 1, "max_num_kv_read_tokens", "must be >= 1")
+        if self.sliding_window is not None:
+            _require(self.sliding_window >= 1, "sliding_window", "must be >= 1")
+
+    @property
+    def encoder_compute_budget(self) -> int:
+        if self.max_num_encoder_input_tokens is not None:
+            return self.max_num_encoder_input_tokens
+        return self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_tokens(self) -> int:
+        if self.encoder_cache_size is not None:
+            return self.encoder_cache_size
+        return self.encoder_compute_budget
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = option(16, "Tokens per KV-cache block.")
+    num_gpu_blocks: int | None = option(
+        None, "Total KV-cache blocks (default: sized from the memory budget)."
+    )
+    enable_prefix_caching: bool = option(
+        True, "Reuse the KV blocks of equal prompt prefixes across requests."
+    )
+    prefix_caching_hash_algo: str = option(
+        "builtin",
+        "Block hash: builtin (fast, per process) or sha256 (stable across processes).",
+    )
+    enable_kv_cache_events: bool = option(
+        False, "Record stored/removed block events (for prefix-aware routing)."
+    )
+    kv_cache_memory: str | None = option(
+        None, "KV-cache memory budget: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.3)."
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size", "must be >= 1")
+        if self.num_gpu_blocks is not None:
+            _require(self.num_gpu_blocks >= 1, "num_gpu_blocks", "must be >= 1")
+        _require(
+            self.prefix_caching_hash_algo in PREFIX_HASH_ALGOS,
+            "prefix_caching_hash_algo",
+            f"must be one of {PREFIX_HASH_ALGOS}",
+        )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: drafts verified by the target model in one step."""
+
+    num_speculative_tokens: int = option(3, "Draft tokens proposed per request per step.")
+    method: str = option("ngram", "Drafter: ngram (prompt lookup), eagle, eagle3, mtp, draft_model.")
+    prompt_lookup_min: int = option(1, "Shortest n-gram the ngram drafter matches.")
+    prompt_lookup_max: int = option(3, "Longest n-gram the ngram drafter matches.")
+
+    def __post_init__(self) -> None:
+        _require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            "must be >= 1 and <= prompt_lookup_max",
+        )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots to reserve beyond the scheduled tokens for the drafter."""
+        return self.num_speculative_tokens if self.method in LOOKAHEAD_METHODS else 0
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model."""
+
+    max_loras: int = option(1, "Most distinct adapters in one batch.")
+    max_lora_rank: int = option(16, "Largest adapter rank.")
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", "must be >= 1")
+
+
+def config_fields(cls: type) -> list[dataclasses.Field]:
+    """The options of a config class, in declaration order (for the CLI)."""
+    return list(dataclasses.fields(cls))

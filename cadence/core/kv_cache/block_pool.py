@@ -1,0 +1,208 @@
+"""The pool of KV-cache blocks: free list, reference counts, prefix-cache index.
+
+Every block is in exactly one of three states:
+
+- owned:       ref_cnt > 0, held by one or more requests (shared prefixes);
+- cached-free: ref_cnt == 0 with a block hash, in the free queue and in the
+               hash index, so a later request can revive it;
+- free:        ref_cnt == 0, no hash, in the free queue.
+
+The free queue is ordered for eviction (LRU): allocation takes from the head;
+a freed block goes to the tail. A cached-free block taken for a new use is
+evicted from the hash index at that moment.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from cadence.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+
+class KVCacheBlock:
+    """One block of ``block_size`` token slots in the paged KV cache."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Any = None
+        # Links of the doubly linked free queue (None when not in it).
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash!r})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) pop from the head, append and remove.
+
+    A list cannot do this: reviving a cached-free block removes it from the
+    middle of the queue.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        # Sentinels, so that linking never has to test for the ends.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block  # type: ignore[union-attr]
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free block")
+        self.remove(block)  # type: ignore[arg-type]
+        return block  # type: ignore[return-value]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block.prev_free.next_free = block.next_free  # type: ignore[union-attr]
+        block.next_free.prev_free = block.prev_free  # type: ignore[union-attr]
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free  # type: ignore[union-attr]
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """Allocates, shares, frees and caches blocks; records cache events."""
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool, enable_events: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks: must be >= 1")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # block hash -> the block holding it (one block per hash).
+        self.cached_blocks: dict[Any, KVCacheBlock] = {}
+        self.enable_events = enable_events
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks owned by requests (cached-free blocks count as free)."""
+        return 1.0 - self.free_queue.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the head of the free queue, evicting their hashes."""
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(f"cannot take {num_blocks} blocks: {self.num_free_blocks} free")
+        popleft = self.free_queue.popleft
+        blocks = [popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        block.block_hash = None
+        if self.cached_blocks.get(block_hash) is block:
+            del self.cached_blocks[block_hash]
+            if self.enable_events:
+                self._events.append(BlockRemoved([block_hash]))
+
+    def get_cached_block(self, block_hash: Any) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache (reviving free ones)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: Any,
+        parent_hash: Any,
+        token_ids: list[int],
+        extra_key: Any,
+    ) -> None:
+        """Register a full block under its hash (first holder of a hash wins)."""
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached_blocks:
+            return  # an equal block is already cached; this one stays anonymous
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+        if self.enable_events:
+            self._events.append(
+                BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids), extra_key)
+            )
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero go to the queue's tail.
+
+        Callers pass a request's blocks tail-first, so that its last blocks
+        (the least likely to be shared) are evicted first.
+        """
+        append = self.free_queue.append
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is owned."""
+        if self.free_queue.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def check_consistency(self, owners: Callable[[], Iterable[list[KVCacheBlock]]]) -> None:
+        """Assert the three-state invariant (for tests): every block is free,
+        cached-free or owned, and reference counts equal the owners' references."""
+        expected = [0] * self.num_blocks
+        for blocks in owners():
+            for block in blocks:
+                expected[block.block_id] += 1
+        in_queue = {block.block_id for block in self.free_queue}
+        assert len(in_queue) == self.free_queue.num_free_blocks, "free queue count is wrong"
+        for block in self.blocks:
+            assert block.ref_cnt == expected[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {expected[block.block_id]} owners"
+            )
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: "
+                f"{block.block_id in in_queue}"
+            )
+            if block.block_hash is not None:
+                assert self.cached_blocks.get(block.block_hash) is block, "hash index out of sync"
+        for block_hash, block in self.cached_blocks.items():
+            assert block.block_hash == block_hash, "cached block lost its hash"

@@ -1,0 +1,34 @@
+"""KV-cache events: what entered and left the prefix cache.
+
+A router in front of several engine replicas consumes them to learn which
+replica holds which prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class BlockStored(msgspec.Struct, tag=True, gc=False):
+    """Full blocks registered in the prefix cache."""
+
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    extra_key: Any = None  # e.g. the LoRA adapter id the KV was computed under
+
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    """Blocks evicted from the prefix cache."""
+
+    block_hashes: list[Any]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

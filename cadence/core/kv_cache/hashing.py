@@ -1,0 +1,53 @@
+"""Chained block hashes for prefix caching.
+
+The hash of block i covers its tokens *and* the hash of block i-1, so two
+blocks with equal tokens after different prefixes never match:
+
+    hash(b0) = H(ROOT,     tokens[0:16],  extra)
+    hash(b1) = H(hash(b0), tokens[16:32], extra)
+
+Only full blocks are hashed. ``extra`` carries what else changes the KV of
+those tokens (the LoRA adapter, multimodal item hashes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, Callable
+
+ROOT_HASH = 0x5CA1AB1E
+
+BlockHashFn = Callable[[Any, tuple, Any], Any]
+
+
+def builtin_block_hash(parent: Any, token_ids: tuple, extra: Any) -> int:
+    """Python's tuple hash: fast, stable only within one process."""
+    return hash((parent, token_ids, extra))
+
+
+def sha256_block_hash(parent: Any, token_ids: tuple, extra: Any) -> bytes:
+    """SHA-256 of the pickled triple: stable across processes and machines."""
+    return hashlib.sha256(pickle.dumps((parent, token_ids, extra), protocol=5)).digest()
+
+
+BLOCK_HASH_FNS: dict[str, BlockHashFn] = {
+    "builtin": builtin_block_hash,
+    "sha256": sha256_block_hash,
+}
+
+
+def extend_block_hashes(
+    block_hashes: list[Any],
+    token_ids: list[int],
+    num_full_blocks: int,
+    block_size: int,
+    hash_fn: BlockHashFn,
+    extra: Any = None,
+) -> None:
+    """Append hashes to ``block_hashes`` until it covers ``num_full_blocks`` blocks."""
+    parent = block_hashes[-1] if block_hashes else ROOT_HASH
+    for i in range(len(block_hashes), num_full_blocks):
+        start = i * block_size
+        parent = hash_fn(parent, tuple(token_ids[start:start + block_size]), extra)
+        block_hashes.append(parent)

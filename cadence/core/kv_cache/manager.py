@@ -1,0 +1,249 @@
+"""KV-cache manager: which blocks each request holds, and the prefix cache.
+
+The scheduler asks two questions per request:
+
+- ``get_computed_blocks(request)``: how much of this prompt is already in
+  the cache? (full blocks only, and never the whole prompt: at least one
+  token is always computed so the request gets logits to sample from);
+- ``allocate_slots(request, n, ...)``: give it room for ``n`` more tokens,
+  or ``None`` when the pool cannot.
+
+Block ids of a request, positions they cover (block_size 4):
+
+    tokens:  t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9
+    blocks:  [  blk 17   ][  blk 3     ][ blk 42 (partial, never cached) ]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from cadence.core.kv_cache.events import KVCacheEvent
+from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, ROOT_HASH, extend_block_hashes
+from cadence.core.outputs import PrefixCacheStats
+from cadence.core.request import Request, RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the block pool and each request's block list."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "builtin",
+        enable_kv_cache_events: bool = False,
+        log_stats: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=enable_caching, enable_events=enable_kv_cache_events
+        )
+        self._hash_fn = BLOCK_HASH_FNS[hash_algo]
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many of its leading blocks are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+
+    # ---- queries -------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of the request's leading full blocks found in the prefix cache.
+
+        Returns the blocks (not yet referenced: ``allocate_slots`` takes them)
+        and the number of tokens they cover.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
+        # At least one token must be computed to produce logits.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        block_hashes = self._block_hashes(request, max_hit_blocks)
+        get_cached = self.block_pool.get_cached_block
+        hits: list[KVCacheBlock] = []
+        for i in range(max_hit_blocks):
+            block = get_cached(block_hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(
+                request.num_tokens, num_hit_tokens, request.status == RequestStatus.PREEMPTED
+            )
+        return hits, num_hit_tokens
+
+    def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> int:
+        """Leading blocks of ``request`` shared by every running request (for cascade attention)."""
+        num_common = 0
+        for block in self.req_to_blocks.get(request.request_id, ()):
+            if block.ref_cnt != num_running_requests:
+                break
+            num_common += 1
+        return num_common
+
+    # ---- allocation ----------------------------------------------------
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.block_pool.num_free_blocks
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[int] | None:
+        """Room for ``num_new_tokens`` (+ lookahead) after the computed ones.
+
+        ``new_computed_blocks`` are prefix-cache hits covering
+        ``num_new_computed_tokens`` tokens beyond ``request.num_computed_tokens``.
+        Returns the ids of the blocks newly taken from the pool (hits not
+        included), or ``None`` when the pool cannot supply them, in which
+        case nothing changed.
+        """
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[req_id] = []
+            self._num_cached_blocks[req_id] = 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None and num_total > self.max_model_len:
+            num_total = self.max_model_len
+        num_hits = len(new_computed_blocks) if new_computed_blocks else 0
+        num_new_blocks = cdiv(num_total, self.block_size) - len(blocks) - num_hits
+
+        if num_hits:
+            # Reviving cached-free hits takes them out of the free queue too.
+            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # type: ignore[union-attr]
+            if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+                return None
+            self.block_pool.touch(new_computed_blocks)  # type: ignore[arg-type]
+            blocks.extend(new_computed_blocks)  # type: ignore[arg-type]
+        elif num_new_blocks > self.block_pool.num_free_blocks:
+            return None
+
+        if num_new_blocks > 0:
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            new_block_ids = [block.block_id for block in new_blocks]
+        else:
+            new_block_ids = []
+
+        if self.enable_caching and not delay_cache_blocks:
+            # Only tokens whose ids are known can be hashed (not drafts, not placeholders).
+            num_known = num_computed + num_new_tokens
+            if num_known > request.num_tokens:
+                num_known = request.num_tokens
+            self.cache_blocks(request, num_known)
+        return new_block_ids
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_computed_tokens`` in the prefix cache."""
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_full = num_computed_tokens // self.block_size
+        num_cached = self._num_cached_blocks.get(req_id, 0)
+        if num_full <= num_cached:
+            return
+        blocks = self.req_to_blocks[req_id]
+        num_full = min(num_full, len(blocks))
+        block_hashes = self._block_hashes(request, num_full)
+        token_ids = request.all_token_ids
+        cache_block = self.block_pool.cache_block
+        size = self.block_size
+        for i in range(num_cached, num_full):
+            parent = block_hashes[i - 1] if i else ROOT_HASH
+            cache_block(
+                blocks[i], block_hashes[i], parent,
+                token_ids[i * size:(i + 1) * size], request.extra_hash_key,
+            )
+        self._num_cached_blocks[req_id] = num_full
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[Any]:
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            extend_block_hashes(
+                hashes, request.all_token_ids, num_blocks, self.block_size,
+                self._hash_fn, self._extra_key(request, len(hashes), num_blocks),
+            )
+        return hashes
+
+    def _extra_key(self, request: Request, first_block: int, end_block: int) -> Any:
+        """What besides tokens shapes the KV of these blocks."""
+        if not request.mm_positions:
+            return request.extra_hash_key
+        # Blocks overlapping a multimodal item depend on the item's content, whose
+        # placeholder tokens are all equal: fold every item's hash in.
+        return (request.extra_hash_key, tuple(request.mm_hashes))
+
+    # ---- release -------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first, for eviction order)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def free_block_hashes(self, request: Request) -> None:
+        """Drop the request's hash list once it can never be scheduled again."""
+        request.block_hashes = []
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok and self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return ok
+
+    # ---- fork (parallel sampling) --------------------------------------
+
+    def fork_blocks(self, parent: Request, child: Request, num_blocks: int) -> None:
+        """Give ``child`` references to the parent's first ``num_blocks`` (full) blocks."""
+        shared = self.req_to_blocks[parent.request_id][:num_blocks]
+        self.block_pool.touch(shared)
+        self.req_to_blocks[child.request_id] = list(shared)
+        self._num_cached_blocks[child.request_id] = min(
+            num_blocks, self._num_cached_blocks.get(parent.request_id, 0)
+        )
+        child.block_hashes = parent.block_hashes[:num_blocks]
+
+    # ---- stats and events ----------------------------------------------
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def check_consistency(self) -> None:
+        """Assert block-state invariants (tests call this every step)."""
+        self.block_pool.check_consistency(lambda: self.req_to_blocks.values())

@@ -1,0 +1,152 @@
+"""What flows back from a step: runner results in, per-client outputs and stats out.
+
+``ModelRunnerOutput`` is produced by a runner (real or simulated) for one
+``SchedulerOutput``. ``EngineCoreOutput(s)`` and the stats are what the
+scheduler returns from ``update_from_output``; they are msgspec structs so a
+front-end process can receive them cheaply over a socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from cadence.core.request import FinishReason, RequestEvent
+
+
+@dataclass(slots=True)
+class LogprobsLists:
+    """Top-k logprobs of sampled tokens, one row per sampled token.
+
+    Row r: ``logprob_token_ids[r][0]`` is the sampled token, then its top-k.
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+    def slice(self, start: int, end: int) -> "LogprobsLists":
+        return LogprobsLists(
+            self.logprob_token_ids[start:end],
+            self.logprobs[start:end],
+            self.sampled_token_ranks[start:end],
+        )
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """Transfers the worker side of a KV connector finished during a step."""
+
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The runner's result for one step.
+
+    ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: empty for a prefill
+    chunk that does not reach the end of the prompt, one token for a plain
+    decode, 1 + accepted drafts with speculative decoding.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    spec_token_ids: list[list[int]] | None = None
+    logprobs: LogprobsLists | None = None
+    # req_id -> (token_ids, logprobs, ranks) rows for prompt positions computed this step.
+    prompt_logprobs_dict: dict[str, Any] = field(default_factory=dict)
+    pooler_output: list[Any] = field(default_factory=list)
+    kv_connector_output: KVConnectorOutput | None = None
+    num_nans_in_logits: dict[str, int] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class PrefixCacheStats(msgspec.Struct, gc=False):
+    """Prefix-cache lookups since the last stats: tokens queried and hit."""
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+class SpecDecodingStats(msgspec.Struct, gc=False):
+    """Draft acceptance over one step."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> "SpecDecodingStats":
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+
+class SchedulerStats(msgspec.Struct, gc=False):
+    """A snapshot of the scheduler after a step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    spec_decoding_stats: SpecDecodingStats | None = None
+    num_corrupted_reqs: int = 0
+    num_preemptions: int = 0  # in the step just scheduled
+    step_counter: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: Any = None
+    new_prompt_logprobs: Any = None
+    num_cached_tokens: int = 0
+    events: list[RequestEvent] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    # Set on a child of a parallel-sampling (n > 1) request.
+    parent_request_id: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one client gets from one step."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    finished_requests: set[str] | None = None
+    timestamp: float = 0.0

@@ -1,0 +1,56 @@
+"""KV connector, scheduler side: KV computed elsewhere (another engine, a CPU
+or disk tier) loaded into this engine's blocks, and KV sent out on finish.
+
+The scheduler calls the hooks; the worker side (in the runner) moves bytes
+and reports finished transfers in ``ModelRunnerOutput.kv_connector_output``.
+
+- ``get_num_new_matched_tokens``: tokens beyond the local prefix hit that
+  the connector can supply, and whether the load is asynchronous (the
+  request then waits in ``WAITING_FOR_REMOTE_KVS`` holding its blocks);
+- ``update_state_after_alloc``: blocks were allocated for those tokens;
+- ``build_connector_meta``: the step's transfer plan, handed to the runner;
+- ``request_finished``: whether to delay freeing blocks while they are sent.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cadence.core.kv_cache.block_pool import KVCacheBlock
+    from cadence.core.outputs import KVConnectorOutput
+    from cadence.core.request import Request
+    from cadence.core.sched.output import SchedulerOutput
+
+
+class KVConnectorBase(ABC):
+    """Scheduler-side connector hooks."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(external tokens available beyond ``num_computed_tokens``, load asynchronously)."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "list[KVCacheBlock]", num_external_tokens: int
+    ) -> None:
+        """Blocks now hold room for the external tokens; plan their load."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> Any:
+        """The transfers of this step, for the worker side. Resets per-step state."""
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Worker-side results of a step."""
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks until sent, transfer params for the client)."""
+        return False, None
+
+    def shutdown(self) -> None:
+        """Release connections."""

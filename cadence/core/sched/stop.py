@@ -1,0 +1,29 @@
+"""When a request stops, checked after each appended token."""
+
+from __future__ import annotations
+
+from cadence.core.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set the finished status (and ``stop_reason``) if the last token ends the request.
+
+    Order: ``min_tokens`` holds back EOS and stop tokens; then EOS, then the
+    request's stop tokens, then the length limits.
+    """
+    num_output = len(request.output_token_ids)
+    if num_output >= request.min_tokens:
+        last = request.output_token_ids[-1]
+        if request.stops_on_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and num_output >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

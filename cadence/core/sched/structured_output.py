@@ -1,0 +1,83 @@
+"""Structured output in the scheduler: grammar readiness and the batch bitmask.
+
+A request with ``structured_outputs`` waits in ``WAITING_FOR_FSM`` until its
+grammar is compiled (compilation runs off the step loop). Each step the
+manager asks every scheduled grammar for its allowed-token mask; the runner
+applies the mask to the logits. After sampling, accepted tokens advance the
+grammar; a grammar that reached its end stops the request.
+
+The grammar backend (e.g. xgrammar) lives outside ``cadence.core``; this
+module only fixes the protocol it implements.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from cadence.core.request import Request
+
+
+class Grammar(Protocol):
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool: ...
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of ``token_ids`` the grammar accepts (not advancing)."""
+        ...
+    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
+    def is_terminated(self) -> bool: ...
+
+
+class GrammarBackend(Protocol):
+    def compile(self, params: Any) -> Grammar: ...
+    def allocate_bitmask(self, num_rows: int) -> Any: ...
+
+
+class StructuredOutputRequest:
+    """A request's grammar, available once compilation finished."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    @property
+    def grammar(self) -> Grammar | None:
+        if not self._future.done():
+            return None
+        return self._future.result()
+
+    @property
+    def failed(self) -> bool:
+        return self._future.done() and self._future.exception() is not None
+
+
+class StructuredOutputManager:
+    """Compiles grammars in a thread and builds each step's bitmask."""
+
+    def __init__(self, backend: GrammarBackend, max_workers: int = 1) -> None:
+        self.backend = backend
+        self._executor = ThreadPoolExecutor(max_workers=max_workers)
+
+    def grammar_init(self, request: Request) -> None:
+        future = self._executor.submit(self.backend.compile, request.sampling_params.structured_outputs)
+        request.structured_output_request = StructuredOutputRequest(future)
+
+    def should_advance(self, request: Request) -> bool:
+        so = request.structured_output_request
+        return so is not None and so.grammar is not None
+
+    def grammar_bitmask(
+        self,
+        requests: dict[str, Request],
+        structured_output_request_ids: dict[str, int],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
+    ) -> Any:
+        """One mask row per structured request in the batch (None when there is none)."""
+        if not structured_output_request_ids:
+            return None
+        bitmask = self.backend.allocate_bitmask(len(structured_output_request_ids))
+        for req_id, row in structured_output_request_ids.items():
+            grammar = requests[req_id].structured_output_request.grammar
+            grammar.fill_bitmask(bitmask, row)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

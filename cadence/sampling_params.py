@@ -1,0 +1,150 @@
+"""Sampling parameters of one request, validated at construction.
+
+Every invalid value raises ``ValueError`` whose message starts with the
+field's name, so the server can answer HTTP 400 naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Temperatures below this are treated as greedy (argmax).
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar.
+
+    Exactly one of the fields must be set.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        num_set = sum(x is not None for x in (self.json, self.regex, self.choice, self.grammar))
+        if num_set != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar must be set"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice: must not be empty")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next tokens of a request, and when to stop."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, as in OpenAI/vLLM clients) means all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputParams | None = None
+    skip_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        # Normalise list-like inputs so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        else:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputParams(**self.structured_outputs)
+            )
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_number("temperature", self.temperature, minimum=0.0)
+        _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p: must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, minimum=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        _check_number("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, minimum=0.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty: must be > 0, got 0")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputParams
+        ):
+            raise ValueError("structured_outputs: must be a StructuredOutputParams or a dict")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+
+
+def _check_number(
+    name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name}: must not be NaN")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: must be <= {maximum}, got {value}")
