@@ -135,16 +135,17 @@ class KVCacheManager:
         if self.max_model_len is not None and num_total > self.max_model_len:
             num_total = self.max_model_len
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
-        num_new_blocks = cdiv(num_total, self.block_size) - len(blocks) - num_hits
+        num_new_blocks = -(-num_total // self.block_size) - len(blocks) - num_hits
+        free_queue = self.block_pool.free_queue
 
         if num_hits:
             # Reviving cached-free hits takes them out of the free queue too.
             num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # type: ignore[union-attr]
-            if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+            if num_new_blocks + num_revived > free_queue.num_free_blocks:
                 return None
             self.block_pool.touch(new_computed_blocks)  # type: ignore[arg-type]
             blocks.extend(new_computed_blocks)  # type: ignore[arg-type]
-        elif num_new_blocks > self.block_pool.num_free_blocks:
+        elif num_new_blocks > free_queue.num_free_blocks:
             return None
 
         if num_new_blocks > 0:
@@ -157,9 +158,11 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             # Only tokens whose ids are known can be hashed (not drafts, not placeholders).
             num_known = num_computed + num_new_tokens
-            if num_known > request.num_tokens:
-                num_known = request.num_tokens
-            self.cache_blocks(request, num_known)
+            num_tokens = request.num_tokens
+            if num_known > num_tokens:
+                num_known = num_tokens
+            if num_known // self.block_size > self._num_cached_blocks[req_id]:
+                self.cache_blocks(request, num_known)
         return new_block_ids
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -134,14 +134,28 @@ class Scheduler(SchedulerInterface):
         lookahead = self.num_lookahead_tokens
         order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
         for request in order:
-            if plan.token_budget <= 0:
+            budget = plan.token_budget
+            if budget <= 0:
                 break
             if request.status != _RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens_running(request, plan.token_budget, threshold, max_model_len)
+            # Catch up with the known tokens (+ drafts, + async placeholders).
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            # Drafts may not run past the context: the last position samples the next token.
+            if num_new > max_model_len - 1 - num_computed:
+                num_new = max_model_len - 1 - num_computed
+            if request.fork_point is not None or request.num_output_placeholders:
+                num_new = self._limit_special(request, num_new)
             if request.mm_positions and num_new > 0:
                 num_new = plan.add_encoder_inputs(request, num_new, self.encoder_cache_manager)
-            if num_new <= 0 or not plan.can_read_kv(request, num_new):
+            if num_new <= 0 or (
+                plan.kv_read_budget is not None and not plan.can_read_kv(request, num_new)
+            ):
                 # Nothing to do (or over a budget): later requests may still fit.
                 continue
             new_block_ids = allocate(request, num_new, num_lookahead_tokens=lookahead)
@@ -151,21 +165,8 @@ class Scheduler(SchedulerInterface):
                     break
             plan.schedule_running(request, num_new, new_block_ids)
 
-    def _num_new_tokens_running(
-        self, request: Request, budget: int, threshold: int, max_model_len: int
-    ) -> int:
-        num_new = (
-            request.num_tokens_with_spec + request.num_output_placeholders
-            - request.num_computed_tokens
-        )
-        if 0 < threshold < num_new:
-            num_new = threshold
-        if num_new > budget:
-            num_new = budget
-        # Drafts may not run past the context: the last position samples the next token.
-        room = max_model_len - 1 - request.num_computed_tokens
-        if num_new > room:
-            num_new = room
+    def _limit_special(self, request: Request, num_new: int) -> int:
+        """Limits of a parent waiting to fork (n > 1) and of async placeholders."""
         if request.fork_point is not None:
             num_new = min(num_new, request.fork_point - request.num_computed_tokens)
         if request.num_output_placeholders and request.max_tokens is not None:
@@ -472,12 +473,17 @@ class Scheduler(SchedulerInterface):
         self, request: Request, new_token_ids: list[int], max_model_len: int
     ) -> tuple[list[int], bool]:
         """Append sampled tokens one by one; cut the list at the one that stops."""
-        for num_appended, token_id in enumerate(new_token_ids, 1):
-            request.append_output_token_ids(token_id)
+        if len(new_token_ids) == 1:  # the common case: one decode token
+            request.append_output_token_ids(new_token_ids[0])
             if check_stop(request, max_model_len):
-                if num_appended < len(new_token_ids):
-                    new_token_ids = new_token_ids[:num_appended]
                 return new_token_ids, True
+        else:
+            for num_appended, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids(token_id)
+                if check_stop(request, max_model_len):
+                    if num_appended < len(new_token_ids):
+                        new_token_ids = new_token_ids[:num_appended]
+                    return new_token_ids, True
         so = request.structured_output_request
         if so is not None and self.structured_output_manager is not None:
             grammar = so.grammar

@@ -25,7 +25,7 @@ class StepPlan:
     __slots__ = (
         "token_budget", "num_scheduled_tokens", "new_block_ids", "running", "new", "resumed",
         "preempted", "spec_tokens", "encoder_inputs", "encoder_budget", "kv_read_budget",
-        "sliding_window", "loras", "_structured", "_disable_chunked_mm_input",
+        "sliding_window", "_loras", "_tracks_extras", "_structured", "_disable_chunked_mm_input",
     )
 
     def __init__(self, token_budget: int, config: "SchedulerConfig") -> None:
@@ -41,9 +41,20 @@ class StepPlan:
         self.encoder_budget = config.encoder_compute_budget
         self.kv_read_budget = config.max_num_kv_read_tokens
         self.sliding_window = config.sliding_window
-        self.loras: LoRABatchLimit | None = None
+        self._loras: LoRABatchLimit | None = None
+        # Whether every scheduled request needs the per-request bookkeeping below.
+        self._tracks_extras = self.kv_read_budget is not None
         self._structured: list[str] = []
         self._disable_chunked_mm_input = config.disable_chunked_mm_input
+
+    @property
+    def loras(self) -> "LoRABatchLimit | None":
+        return self._loras
+
+    @loras.setter
+    def loras(self, limit: "LoRABatchLimit | None") -> None:
+        self._loras = limit
+        self._tracks_extras = limit is not None or self.kv_read_budget is not None
 
     # ---- recording -----------------------------------------------------
 
@@ -57,7 +68,8 @@ class StepPlan:
             drafts = spec_decode.take_scheduled_drafts(request, num_new)
             if drafts:
                 self.spec_tokens[req_id] = drafts
-        self._after_scheduled(request)
+        if self._tracks_extras or request.structured_output_request is not None:
+            self._after_scheduled(request)
 
     def schedule_admitted(self, request: "Request", num_new: int, block_ids: list[int]) -> None:
         req_id = request.request_id
