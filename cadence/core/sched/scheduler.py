@@ -108,6 +108,9 @@ class Scheduler(SchedulerInterface):
         self._pending_cancels: set[str] = set()
         self.forks = parallel_sampling.ForkRegistry(self.block_size)
         self.kv_events: list[Any] = []
+        # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
+        self._orphan_outputs: list[EngineCoreOutput] = []
+        self._orphan_clients: list[int] = []
         self.step_counter = 0
         self._num_step_preemptions = 0
 
@@ -119,7 +122,10 @@ class Scheduler(SchedulerInterface):
         self._apply_cancellations()
         plan = StepPlan(self.max_num_scheduled_tokens, self.config)
         if self.lora_config is not None:
+            # Count every running request's adapter, scheduled this step or not,
+            # so the running set itself never holds more than max_loras adapters.
             plan.loras = LoRABatchLimit(self.lora_config.max_loras)
+            plan.loras.add_running(self.running)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -151,13 +157,15 @@ class Scheduler(SchedulerInterface):
                 num_new = max_model_len - 1 - num_computed
             if request.fork_point is not None or request.num_output_placeholders:
                 num_new = self._limit_special(request, num_new)
-            if request.mm_positions and num_new > 0:
-                num_new = plan.add_encoder_inputs(request, num_new, self.encoder_cache_manager)
             if num_new <= 0 or (
                 plan.kv_read_budget is not None and not plan.can_read_kv(request, num_new)
             ):
                 # Nothing to do (or over a budget): later requests may still fit.
                 continue
+            if request.mm_positions:
+                num_new = plan.add_encoder_inputs(request, num_new, self.encoder_cache_manager)
+                if num_new <= 0:
+                    continue
             new_block_ids = allocate(request, num_new, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, plan)
@@ -197,6 +205,7 @@ class Scheduler(SchedulerInterface):
         else:
             self.running.remove(request)
         plan.unschedule(request)
+        plan.drop_encoder_inputs(request, self.encoder_cache_manager)
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -216,6 +225,10 @@ class Scheduler(SchedulerInterface):
             if len(self.running) >= self.max_num_running_reqs:
                 break
             request = waiting.peek_request()
+            if self._grammar_failed(request):
+                waiting.pop_request()
+                self._abort_unservable(request, "grammar compilation failed")
+                continue
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())
                 continue
@@ -248,14 +261,14 @@ class Scheduler(SchedulerInterface):
             if not self.config.enable_chunked_prefill and num_new > plan.token_budget:
                 return False
             num_new = min(num_new, plan.token_budget)
+            if num_new <= 0 or not plan.can_read_kv(request, num_new, num_computed):
+                return None
             if request.mm_positions:
                 num_new = plan.add_encoder_inputs(
                     request, num_new, self.encoder_cache_manager, num_computed
                 )
-            if num_new <= 0:
-                return None
-            if not plan.can_read_kv(request, num_new, num_computed):
-                return None
+                if num_new <= 0:
+                    return None
         new_block_ids = kv.allocate_slots(
             request, num_new + num_external, num_local, hits,
             num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=load_async,
@@ -301,6 +314,25 @@ class Scheduler(SchedulerInterface):
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
         plan.schedule_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
+
+    @staticmethod
+    def _grammar_failed(request: Request) -> bool:
+        so = request.structured_output_request
+        return request.status == RequestStatus.WAITING_FOR_FSM and so is not None and so.failed
+
+    def _abort_unservable(self, request: Request, reason: str) -> None:
+        """Finish a request that can never run; its client hears it in the next outputs."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = reason
+        self._free_request(request)
+        self._orphan_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[],
+                finish_reason=request.get_finished_reason(), stop_reason=reason,
+                parent_request_id=request.parent_request_id,
+            )
+        )
+        self._orphan_clients.append(request.client_index)
 
     def _is_ready(self, request: Request) -> bool:
         """Whether a waiting request may be scheduled (grammar compiled, remote KV in)."""
@@ -418,6 +450,10 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         requests = self.requests
         outputs: dict[int, list[EngineCoreOutput]] = {}
+        if self._orphan_outputs:
+            for client, output in zip(self._orphan_clients, self._orphan_outputs):
+                outputs.setdefault(client, []).append(output)
+            self._orphan_outputs, self._orphan_clients = [], []
         spec_stats: SpecDecodingStats | None = None
         num_stopped = 0
         for req_id in scheduler_output.num_scheduled_tokens:

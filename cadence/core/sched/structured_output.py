@@ -40,7 +40,8 @@ class StructuredOutputRequest:
 
     @property
     def grammar(self) -> Grammar | None:
-        if not self._future.done():
+        """The compiled grammar; None while compiling or if compilation failed."""
+        if not self._future.done() or self._future.exception() is not None:
             return None
         return self._future.result()
 
