@@ -111,6 +111,7 @@ class FakeRunner:
         self.token_fn = token_fn
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.num_sampled: dict[str, int] = {}  # positions sampled per request, ever
         self.num_steps = 0
 
     def execute(
@@ -144,16 +145,8 @@ class FakeRunner:
             return []  # a prefill chunk short of the end samples nothing
         token = self.token_fn(req_id, tokens)
         tokens.append(token)
+        self.num_sampled[req_id] = self.num_sampled.get(req_id, 0) + 1
         return [token]
-
-
-def empty_runner_output(
-    kv_connector_output: KVConnectorOutput | None = None,
-) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        req_ids=[], req_id_to_index={}, sampled_token_ids=[],
-        kv_connector_output=kv_connector_output,
-    )
 
 
 def flatten(result: dict[int, Any]) -> list[EngineCoreOutput]:
@@ -199,8 +192,31 @@ def run_until_done(
     raise AssertionError(f"requests left after {max_steps} steps: {scheduler.requests}")
 
 
-def tokens_of(outputs: Iterable[EngineCoreOutput]) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
+def run_pipelined(
+    s: Scheduler,
+    runner: FakeRunner | None = None,
+    max_steps: int = 500,
+    on_schedule: Callable[[SchedulerOutput], None] | None = None,
+) -> dict[str, list[EngineCoreOutput]]:
+    """Keep one step in flight: schedule and execute step t+1 before updating step t."""
+    runner = runner or FakeRunner()
+    outputs = {}
+    in_flight = None
+    for _ in range(max_steps):
+        next_step = None
+        if s.has_requests():
+            so = s.schedule()
+            if on_schedule is not None:
+                on_schedule(so)
+            next_step = (so, runner.execute(so))
+        if in_flight is not None:
+            for out in flatten(s.update_from_output(*in_flight)):
+                outputs.setdefault(out.request_id, []).append(out)
+            s.kv_cache_manager.check_consistency()
+        in_flight = next_step
+        if in_flight is None and not s.has_requests():
+            return outputs
+    raise AssertionError("requests left")
 
 
 def all_blocks_free(scheduler: Scheduler) -> bool:

@@ -40,15 +40,16 @@ class ForkRegistry:
         parent.fork_point = fork_point
         return None
 
-    def fork(self, parent: Request, kv_cache_manager: KVCacheManager) -> list[Request]:
-        """Children sharing the parent's computed blocks, ready to be scheduled."""
-        children = self._make_children(parent)
-        num_shared_blocks = parent.fork_point // self.block_size  # type: ignore[operator]
-        for child in children:
-            kv_cache_manager.fork_blocks(parent, child, num_shared_blocks)
-            child.num_computed_tokens = parent.fork_point  # type: ignore[assignment]
-            child.num_cached_tokens = parent.num_cached_tokens
-        return children
+    def share_prefix(self, parent: Request, child: Request, kv_cache_manager: KVCacheManager) -> None:
+        """Give ``child`` the parent's computed blocks: it starts at the fork point."""
+        fork_point = parent.fork_point
+        assert fork_point is not None
+        kv_cache_manager.fork_blocks(parent, child, fork_point // self.block_size)
+        child.num_computed_tokens = fork_point
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    def make_children(self, parent: Request) -> list[Request]:
+        return self._make_children(parent)
 
     def _make_children(self, parent: Request) -> list[Request]:
         params = parent.sampling_params

@@ -17,7 +17,6 @@ KV-read budget), ``encoder``, ``spec_decode``, ``structured_output``,
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from typing import Any, Iterable
 
@@ -33,12 +32,8 @@ from cadence.core.outputs import (
 )
 from cadence.core.request import Request, RequestEventType, RequestStatus
 from cadence.core.sched import parallel_sampling, spec_decode
-from cadence.core.sched.admission import kv_read_tokens, make_admission_policy, prefill_first_order
-from cadence.core.sched.encoder import (
-    EncoderCacheManager,
-    free_consumed_encoder_inputs,
-    schedule_encoder_inputs,
-)
+from cadence.core.sched.admission import make_admission_policy, prefill_first_order
+from cadence.core.sched.encoder import EncoderCacheManager, free_consumed_encoder_inputs
 from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.lora import LoRABatchLimit
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -108,6 +103,8 @@ class Scheduler(SchedulerInterface):
         self._pending_cancels: set[str] = set()
         self.forks = parallel_sampling.ForkRegistry(self.block_size)
         self.kv_events: list[Any] = []
+        # Running requests the runner has not seen yet (forked children).
+        self._unsent_running: set[str] = set()
         # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
         self._orphan_outputs: list[EngineCoreOutput] = []
         self._orphan_clients: list[int] = []
@@ -171,7 +168,13 @@ class Scheduler(SchedulerInterface):
                 new_block_ids = self._preempt_until_allocated(request, num_new, plan)
                 if new_block_ids is None:
                     break
-            plan.schedule_running(request, num_new, new_block_ids)
+            if self._unsent_running and request.request_id in self._unsent_running:
+                # A forked child: the runner gets its whole data once.
+                self._unsent_running.discard(request.request_id)
+                plan.new.append(request)
+                plan.schedule_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
+            else:
+                plan.schedule_running(request, num_new, new_block_ids)
 
     def _limit_special(self, request: Request, num_new: int) -> int:
         """Limits of a parent waiting to fork (n > 1) and of async placeholders."""
@@ -209,6 +212,10 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        if request.request_id in self._unsent_running:
+            # Never sent to the runner: it will start as a new request.
+            self._unsent_running.discard(request.request_id)
+            request.status = _WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.spec_token_ids = []
@@ -232,7 +239,13 @@ class Scheduler(SchedulerInterface):
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())
                 continue
-            if not self.admission.can_admit(request, self.kv_cache_manager):
+            if (
+                self.running
+                and request.num_computed_tokens == 0
+                and not self.admission.can_admit(request, self.kv_cache_manager)
+            ):
+                # A request that already holds its KV (async load done) must not be
+                # locked out by its own blocks; with nothing running, anyone may start.
                 break
             admitted = self._try_admit(request, plan)
             if admitted is None:
@@ -427,7 +440,7 @@ class Scheduler(SchedulerInterface):
             request.num_computed_tokens += num_new
             if track_placeholders and request.num_computed_tokens >= request.num_tokens:
                 # Every token past the known ones samples one (the last) output.
-                request.num_output_placeholders = 1 + len(plan.spec_tokens.get(req_id, ()))
+                request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
             if request.mm_positions:
                 free_consumed_encoder_inputs(request, self.encoder_cache_manager)
 
@@ -591,17 +604,34 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------
 
     def _fork(self, parent: Request) -> None:
-        """Replace a parent that computed its shared prefix by its n children."""
-        children = self.forks.fork(parent, self.kv_cache_manager)
+        """Replace a parent that computed its shared prefix by its n children.
+
+        Children that fit under max_num_seqs run at once, holding references to
+        the parent's blocks. The others wait holding nothing (a waiting request
+        that held blocks could starve the pool: waiting ones are never
+        preempted); they recompute, or hit the prefix cache, when admitted.
+        """
+        children = self.forks.make_children(parent)
         self.running.remove(parent)
+        room = self.max_num_running_reqs - len(self.running)
+        waiting_children = []
+        for child in children:
+            self._init_grammar(child)
+            self.requests[child.request_id] = child
+            if room > 0 and child.status == _WAITING:
+                room -= 1
+                self.forks.share_prefix(parent, child, self.kv_cache_manager)
+                child.status = _RUNNING
+                self.running.append(child)
+                self._unsent_running.add(child.request_id)
+            else:
+                waiting_children.append(child)
         self.kv_cache_manager.free(parent)
         del self.requests[parent.request_id]
         self.finished_req_ids.add(parent.request_id)
         parent.status = RequestStatus.FINISHED_STOPPED
-        for child in reversed(children):
-            self._init_grammar(child)
-            self.requests[child.request_id] = child
-            self.waiting.prepend_request(child)
+        if waiting_children:
+            self.waiting.prepend_requests(waiting_children)
 
     # ------------------------------------------------------------------
     # requests from outside
@@ -740,7 +770,9 @@ class Scheduler(SchedulerInterface):
         )
 
     def take_kv_events(self) -> list[Any]:
+        """Cache events since the last call (including a reset between steps)."""
         events, self.kv_events = self.kv_events, []
+        events.extend(self.kv_cache_manager.take_events())
         return events
 
     def shutdown(self) -> None:

@@ -100,7 +100,9 @@ class StepPlan:
         self.new_block_ids.pop(req_id, None)
         self.spec_tokens.pop(req_id, None)
         self.encoder_inputs.pop(req_id, None)
-        self.running.remove(request)
+        for scheduled in (self.running, self.new):
+            if request in scheduled:
+                scheduled.remove(request)
         if req_id in self._structured:
             self._structured.remove(req_id)
 
@@ -108,7 +110,9 @@ class StepPlan:
 
     def can_read_kv(self, request: "Request", num_new: int, num_computed: int | None = None) -> bool:
         """Whether the KV-read budget (if any) covers this request's attention reads."""
-        if self.kv_read_budget is None:
+        if self.kv_read_budget is None or not self.num_scheduled_tokens:
+            # The first request of a step always may read: a context longer than
+            # the budget must not stall its request forever.
             return True
         context = (request.num_computed_tokens if num_computed is None else num_computed) + num_new
         if self.sliding_window is not None:
