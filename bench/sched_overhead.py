@@ -164,6 +164,7 @@ def run_once(variant: Variant, prompts: list[list[int]], num_blocks: int) -> dic
         "us_per_gen_token": (sched_ns + update_ns) / generated / 1e3,
         "cpu_total_us_per_step": cpu_ns / steps / 1e3,
         "ns_per_scheduled_req": (sched_ns + update_ns) / scheduled_reqs,
+        "cpu_ns_per_scheduled_req": cpu_ns / scheduled_reqs,
         "preemptions": preemptions,
         "prefix_hit_rate": hits / queries if queries else 0.0,
     }
