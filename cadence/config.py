@@ -174,6 +174,96 @@ class LoRAConfig:
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The model and where it runs."""
+
+    model: str | None = option(
+        None, "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
+    )
+    dtype: str = option("bfloat16", "Weights and KV-cache dtype: float32, bfloat16 or float16.")
+    device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
+    num_threads: int | None = option(None, "torch CPU threads (default: torch's choice).")
+    seed: int = option(0, "Seed of the sampler's default generator.")
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+                 "device", f"must be cpu, cuda[:N] or auto, got {self.device!r}")
+        if self.num_threads is not None:
+            _require(self.num_threads >= 1, "num_threads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every engine option, split by the part that uses it."""
+
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    speculative: SpeculativeConfig | None = None
+
+    @classmethod
+    def from_kwargs(cls, **options: Any) -> "EngineOptions":
+        """Route flat keyword options (as ``LLM(...)`` or the CLI take them) to their class.
+
+        ``num_speculative_tokens`` > 0 turns speculative decoding on.
+        """
+        groups: dict[type, dict[str, Any]] = {
+            EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}
+        }
+        for name, value in options.items():
+            owner = next((c for c in groups if name in _field_names(c)), None)
+            if owner is None:
+                raise ValueError(f"{name}: unknown engine option")
+            groups[owner][name] = value
+        spec_options = groups[SpeculativeConfig]
+        speculative = None
+        if spec_options.get("num_speculative_tokens", 0):
+            speculative = SpeculativeConfig(**spec_options)
+        return cls(
+            engine=EngineConfig(**groups[EngineConfig]),
+            scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+            cache=CacheConfig(**groups[CacheConfig]),
+            speculative=speculative,
+        )
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def parse_memory(value: str | int | float, available_bytes: int) -> int:
+    """Bytes from "2GiB", "512MB", "1073741824", or a fraction of available memory ("0.3")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        text = str(value)
+    else:
+        text = str(value).strip()
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            number = lowered[: -len(unit)].strip()
+            try:
+                return int(float(number) * scale)
+            except ValueError:
+                break
+    else:
+        try:
+            number_value = float(lowered)
+        except ValueError:
+            number_value = None
+        if number_value is not None:
+            if 0 < number_value < 1:
+                return int(number_value * available_bytes)
+            if number_value >= 1:
+                return int(number_value)
+    raise ValueError(f"kv_cache_memory: cannot read {value!r} (e.g. 2GiB, 512MB, or 0.3 of free memory)")
+
+
 def config_fields(cls: type) -> list[dataclasses.Field]:
     """The options of a config class, in declaration order (for the CLI)."""
     return list(dataclasses.fields(cls))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import ModelRunnerSim, make_request, make_scheduler, run_to_completion, step
+from scheduler_sim import ModelRunnerSim, make_request, make_scheduler, run_to_completion, step
 from cadence.core.request import FinishReason
 
 

@@ -109,6 +109,7 @@ class Scheduler(SchedulerInterface):
         self._orphan_outputs: list[EngineCoreOutput] = []
         self._orphan_clients: list[int] = []
         self.step_counter = 0
+        self.num_preemptions_total = 0
         self._num_step_preemptions = 0
 
     # ------------------------------------------------------------------
@@ -406,6 +407,7 @@ class Scheduler(SchedulerInterface):
             self.kv_events.extend(self.kv_cache_manager.take_events())
         self.finished_req_ids = set()
         self._num_step_preemptions = len(plan.preempted)
+        self.num_preemptions_total += len(plan.preempted)
         self.step_counter += 1
         return output
 

@@ -1,0 +1,100 @@
+"""Build an ``EngineCore`` on a real model from ``EngineOptions``.
+
+Loads the model, sizes the KV cache from the memory budget (or
+``num_gpu_blocks``), and wires the scheduler to a ``ModelRunner``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from cadence.config import EngineOptions, parse_memory
+from cadence.core.sched.scheduler import Scheduler
+from cadence.engine.core import EngineCore
+from cadence.models import ModelConfig, Tokenizer, load_model
+from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
+from cadence.runner.model_runner import ModelRunner
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, or a quarter of free memory if less
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Engine:
+    """What a front end needs: the engine core, the tokenizer, the model's facts."""
+
+    core: EngineCore
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    options: EngineOptions
+    max_model_len: int
+
+
+def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
+    engine_config = options.engine
+    if engine_config.num_threads is not None:
+        torch.set_num_threads(engine_config.num_threads)
+    torch.manual_seed(engine_config.seed)
+    device = resolve_device(engine_config.device)
+    dtype = _DTYPES[engine_config.dtype]
+    model, tokenizer, model_config = load_model(engine_config.model, dtype)
+    model.to(device)
+    max_model_len = min(options.scheduler.max_model_len, model_config.max_position_embeddings)
+    scheduler_config = dataclasses.replace(options.scheduler, max_model_len=max_model_len)
+    if model_config.sliding_window and scheduler_config.sliding_window is None:
+        scheduler_config = dataclasses.replace(scheduler_config, sliding_window=model_config.sliding_window)
+    num_blocks = _num_kv_blocks(options, model_config, dtype)
+    cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks)
+    block_bytes = bytes_per_block(model_config, cache_config.block_size, dtype)
+    print(
+        f"cadence: KV cache {num_blocks} blocks x {cache_config.block_size} tokens = "
+        f"{num_blocks * cache_config.block_size} tokens, {num_blocks * block_bytes / 2**20:.0f} MiB "
+        f"({engine_config.dtype}, {device})",
+        file=log,
+    )
+    scheduler = Scheduler(
+        scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True
+    )
+    runner = ModelRunner(
+        model, model_config, block_size=cache_config.block_size, num_blocks=num_blocks,
+        dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
+        device=device, speculative_config=options.speculative,
+    )
+    options = dataclasses.replace(options, scheduler=scheduler_config, cache=cache_config)
+    return Engine(EngineCore(scheduler, runner), tokenizer, model_config, options, max_model_len)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _num_kv_blocks(options: EngineOptions, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    if options.cache.num_gpu_blocks is not None:
+        return options.cache.num_gpu_blocks
+    available = _available_memory_bytes()
+    if options.cache.kv_cache_memory is not None:
+        budget = parse_memory(options.cache.kv_cache_memory, available)
+    else:
+        budget = min(DEFAULT_KV_CACHE_MEMORY, available // 4)
+    num_blocks = num_blocks_for_budget(budget, model_config, options.cache.block_size, dtype)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory: {budget} bytes do not hold one KV block")
+    return num_blocks
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

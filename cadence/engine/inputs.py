@@ -1,0 +1,58 @@
+"""From what a user sends (text, token ids, chat messages) to a core ``Request``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from cadence.core.request import Request
+from cadence.models.tokenizer import Tokenizer
+from cadence.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
+    """(prompt text if any, token ids) of a string or ``{"prompt_token_ids": [...]}``."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = list(prompt["prompt_token_ids"])
+        if not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids):
+            raise ValueError("prompt_token_ids: every id must be an int in [0, vocab_size)")
+        return prompt.get("prompt"), ids
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    raise ValueError("prompt: expected a string or a dict with 'prompt_token_ids' or 'prompt'")
+
+
+def make_request(
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    *,
+    priority: int = 0,
+    client_index: int = 0,
+    arrival_time: float | None = None,
+) -> Request:
+    """A validated core request (prompt length checked against the context)."""
+    if not token_ids:
+        raise ValueError("prompt: must not be empty")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(token_ids)} tokens, but the context holds {max_model_len} "
+            "(prompt and output together)"
+        )
+    eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    if len(tokenizer.eos_token_ids) > 1 and not params.ignore_eos:
+        # Further end-of-turn ids stop the request like EOS does.
+        extra = tuple(t for t in tokenizer.eos_token_ids[1:] if t not in params.stop_token_ids)
+        if extra:
+            params = params.replace(stop_token_ids=params.stop_token_ids + extra)
+    return Request(
+        request_id, token_ids, params, eos_token_id=eos, priority=priority,
+        client_index=client_index, arrival_time=time.time() if arrival_time is None else arrival_time,
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,110 @@
+"""``LLM``: offline batch generation on one engine core, in this process.
+
+    llm = LLM()                                   # the embedded default model
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=20))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from cadence.config import EngineOptions
+from cadence.engine.builder import Engine, build_engine
+from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
+from cadence.engine.output_processor import OutputProcessor
+from cadence.engine.outputs import RequestOutput
+from cadence.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching."""
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **engine_options: Any) -> None:
+        self.options = EngineOptions.from_kwargs(model=model, dtype=dtype, **engine_options)
+        self.engine: Engine = build_engine(self.options)
+        self.tokenizer = self.engine.tokenizer
+        self._processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def scheduler(self):
+        return self.engine.core.scheduler
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One final output per prompt, in order. Prompts are strings or
+        ``{"prompt_token_ids": [...]}``; invalid input raises ValueError before
+        anything runs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_for(len(prompts), sampling_params)
+        requests = self._make_requests(prompts, params_list)
+        for request, text in requests:
+            self._processor.add_request(request.request_id, text, request.prompt_token_ids, request.sampling_params)
+            self.engine.core.add_request(request)
+        return self._run([r.request_id for r, _ in requests], use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Like ``generate`` for conversations, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _params_for(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError("sampling_params: need one per prompt, or a single one for all")
+        return list(sampling_params)
+
+    def _make_requests(self, prompts, params_list):
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            text, token_ids = prompt_token_ids(prompt, self.tokenizer)
+            request = make_request(
+                str(next(self._ids)), token_ids, params, self.tokenizer, self.engine.max_model_len
+            )
+            requests.append((request, text))
+        return requests
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        core = self.engine.core
+        finals: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
+        while len(finals) < len(wanted) and core.has_work():
+            outputs = [o for eco in core.step().values() for o in eco.outputs]
+            results, stopped = self._processor.process(outputs)
+            if stopped:
+                core.finish_by_stop_string(stopped)
+            for result in results:
+                if result.finished and result.request_id in wanted:
+                    finals[result.request_id] = result
+                    bar.update(1)
+        bar.close()
+        while core.has_work() and not core.scheduler.has_unfinished_requests():
+            core.step()  # report the last finished ids to the runner
+        return [finals[request_id] for request_id in request_ids]

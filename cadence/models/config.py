@@ -1,0 +1,214 @@
+"""``ModelConfig``: the shape of a Llama-family decoder, whatever file it came from.
+
+Two constructors read the two formats cadence loads: a Hugging Face
+``config.json`` dict and GGUF metadata. Everything downstream (the model, the
+KV-cache sizing in the runner) reads only this dataclass. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# model_type (HF) or general.architecture (GGUF) -> the family name we store.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# rope_type values the rotary embedding implements. "freq_factors" is what a
+# GGUF carries for llama3 scaling: the converter stores precomputed per-frequency
+# divisors (tensor ``rope_freqs.weight``) instead of the scaling parameters.
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", "freq_factors")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one Llama-family causal LM."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None, or a dict with "rope_type" in SUPPORTED_ROPE_TYPES and its parameters.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
+               f"{self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+               "must divide num_attention_heads")
+        _check(self.head_dim % 2 == 0, "head_dim", "rotary embedding needs an even head_dim")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            _check(rope_type in SUPPORTED_ROPE_TYPES, "rope_scaling",
+                   f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` (already parsed)."""
+        architecture = hf.get("model_type", "")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model_type {architecture!r} is not supported "
+                             f"(supported: {SUPPORTED_ARCHITECTURES})")
+        num_heads = hf["num_attention_heads"]
+        rope = _hf_rope_parameters(hf)
+        return cls(
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=_hf_rope_scaling(rope),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v bias and its config does not say so.
+            attention_bias=architecture == "qwen2" or hf.get("attention_bias", False),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
+            sliding_window=_hf_sliding_window(hf),
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], *, tie_word_embeddings: bool
+    ) -> ModelConfig:
+        """Build from decoded GGUF key/values (``gguf_loader.read_metadata``).
+
+        Whether the embeddings are tied is not in the metadata: a GGUF ties them
+        by having no ``output.weight`` tensor, so the caller says.
+        """
+        arch = metadata["general.architecture"]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                             f"(supported: {SUPPORTED_ARCHITECTURES})")
+
+        def key(name: str, default: Any = None) -> Any:
+            return metadata.get(f"{arch}.{name}", default)
+
+        hidden_size = key("embedding_length")
+        num_heads = key("attention.head_count")
+        head_dim = key("attention.key_length") or hidden_size // num_heads
+        rope_dim = key("rope.dimension_count", head_dim)
+        if rope_dim != head_dim:
+            raise ValueError(f"partial rotary (rope dim {rope_dim} < head_dim {head_dim}) is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
+            hidden_size=hidden_size,
+            intermediate_size=key("feed_forward_length"),
+            num_hidden_layers=key("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=key("attention.head_count_kv") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(key("rope.scaling.type"), key("rope.scaling.factor")),
+            max_position_embeddings=key("context_length", 2048),
+            tie_word_embeddings=tie_word_embeddings,
+            attention_bias=arch == "qwen2",
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=gguf_eos_token_ids(metadata),
+            sliding_window=key("attention.sliding_window"),
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_token(self, dtype: Any) -> int:
+        """Bytes of K and V one token takes across all layers, for a cache of ``dtype``.
+
+        ``dtype`` is anything with an ``itemsize`` (a torch or numpy dtype).
+        """
+        per_layer = 2 * self.num_key_value_heads * self.head_dim  # K and V
+        return per_layer * self.num_hidden_layers * dtype.itemsize
+
+    def num_params(self) -> int:
+        """Number of weights in the model (tied embeddings counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        q_size, kv_size = self.num_attention_heads * d, self.num_key_value_heads * d
+        attention = h * (q_size + 2 * kv_size) + q_size * h
+        if self.attention_bias:
+            attention += q_size + 2 * kv_size
+        mlp = 3 * h * self.intermediate_size
+        layer = attention + mlp + 2 * h  # two RMSNorm weights
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * layer + h  # + final norm
+
+
+def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids of a GGUF: eos plus end-of-turn/end-of-message when present."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = [metadata[k] for k in keys if metadata.get(k) is not None]
+    return tuple(dict.fromkeys(ids))
+
+
+def _check(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"ModelConfig.{name}: {message}")
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _hf_rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_theta and scaling, from either spelling of config.json.
+
+    Older files have ``rope_theta`` + ``rope_scaling``; transformers 5 writes a
+    single ``rope_parameters`` dict holding both.
+    """
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        params["rope_theta"] = hf["rope_theta"]
+    return params
+
+
+def _hf_rope_scaling(rope: Mapping[str, Any]) -> dict[str, Any] | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = rope_type
+    return scaling
+
+
+def _hf_sliding_window(hf: Mapping[str, Any]) -> int | None:
+    # Qwen2 configs carry a window but switch it off with use_sliding_window.
+    if hf.get("use_sliding_window") is False:
+        return None
+    return hf.get("sliding_window")
+
+
+def _gguf_rope_scaling(kind: str | None, factor: float | None) -> dict[str, Any] | None:
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ValueError(f"GGUF rope scaling {kind!r} is not supported")

@@ -1,0 +1,152 @@
+"""Load a Llama-family model from a GGUF file.
+
+Steps: decode the metadata -> ``ModelConfig`` -> for each tensor, dequantize,
+rename to the Hugging Face name, undo llama.cpp's q/k row permutation ->
+``LlamaForCausalLM.load_weights``.
+
+Why the permutation: for ``general.architecture == "llama"`` llama.cpp's
+converter reorders the rows of q_proj and k_proj so its interleaved rope
+(pairs (0,1), (2,3), ...) computes what HF's rotate_half rope computes on
+pairs (i, i + D/2). Within each head of D rows:
+
+    HF row    (half j, index i)   j in {0, 1}, i in [0, D/2)
+    GGUF row  2*i + j
+
+We use the HF convention, so the rows go back. Qwen2 files are not permuted
+(llama.cpp runs them with the rotate_half ("NEOX") layout).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+
+from cadence.models.config import ModelConfig
+from cadence.models.dequant import to_torch
+from cadence.models.llama import LlamaForCausalLM
+
+# GGUF tensor name -> HF name, for tensors outside the blocks.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.N.<key>.<kind> -> model.layers.N.<value>.<kind>
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Architectures whose GGUF q/k rows llama.cpp permuted at conversion.
+_PERMUTED_ARCHITECTURES = ("llama",)
+# Precomputed rope frequency divisors (llama3 scaling); read into the config.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def read_gguf(path: str) -> tuple[GGUFReader, dict[str, Any]]:
+    """Open a GGUF file (memory-mapped) and decode its metadata."""
+    reader = GGUFReader(path)
+    return reader, read_metadata(reader)
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/values as Python values: str, int, float, bool, or lists of them."""
+    return {name: _field_value(field) for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def gguf_model_config(reader: GGUFReader, metadata: dict[str, Any]) -> ModelConfig:
+    """``ModelConfig`` from metadata plus what only the tensor list tells."""
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(metadata, tie_word_embeddings="output.weight" not in names)
+    if "blk.0.attn_q.bias" in names:
+        config = config.replace(attention_bias=True)
+    if _ROPE_FREQS in names:
+        factors = _tensor(reader, _ROPE_FREQS).data
+        config = config.replace(rope_scaling={"rope_type": "freq_factors",
+                                              "factors": tuple(float(f) for f in factors)})
+    return config
+
+
+def load_gguf_model(reader: GGUFReader, metadata: dict[str, Any],
+                    dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model a GGUF describes, weights dequantized to ``dtype``."""
+    config = gguf_model_config(reader, metadata)
+    model = LlamaForCausalLM(config, dtype)
+    model.load_weights(_hf_named_tensors(reader, config, dtype))
+    return model.eval(), config
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    layer, key, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[key]}.{kind}"
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (see module doc). weight [num_heads*D, ...] or bias [num_heads*D]."""
+    rows, rest = weight.shape[0], weight.shape[1:]
+    half = rows // num_heads // 2
+    by_pair = weight.reshape(num_heads, half, 2, *rest)  # GGUF: row 2*i + j
+    return by_pair.transpose(1, 2).reshape(rows, *rest)  # HF: row j*(D/2) + i
+
+
+def _hf_named_tensors(reader: GGUFReader, config: ModelConfig,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight, permutation undone, one tensor at a time."""
+    permuted = config.architecture in _PERMUTED_ARCHITECTURES
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        name = hf_tensor_name(tensor.name)  # fails fast on tensors we have no place for
+        shape = tuple(reversed([int(n) for n in tensor.shape]))  # GGUF lists dims fastest-first
+        value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
+        kind = tensor.name.split(".")[-2]  # "attn_q" in "blk.3.attn_q.weight"
+        if permuted and kind in heads:
+            value = unpermute_rope_rows(value, heads[kind])
+        yield name, value
+
+
+def _tensor(reader: GGUFReader, name: str):
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def _field_value(field) -> Any:
+    """Decode one ReaderField: its ``data`` indexes the ``parts`` that hold values."""
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        item_kind = field.types[-1]
+        items = [field.parts[i] for i in field.data]
+        if item_kind == GGUFValueType.STRING:
+            return [_decode_string(item) for item in items]
+        if not items:
+            return []
+        return np.concatenate(items).tolist()
+    value = field.parts[field.data[0]]
+    if kind == GGUFValueType.STRING:
+        return _decode_string(value)
+    if kind == GGUFValueType.FLOAT32:
+        # The shortest decimal that is this float32: 1e-05, not 9.999999747378752e-06.
+        return float(str(value[0]))
+    return value[0].item()
+
+
+def _decode_string(raw: np.ndarray) -> str:
+    return bytes(raw).decode("utf-8", errors="replace")

@@ -1,0 +1,84 @@
+"""Per-token building blocks of the decoder: embedding, linear, RMSNorm, gated MLP.
+
+Parameters are allocated uninitialised (``torch.empty``): a model is always
+filled by a loader (or ``cadence.models.testing.randomize``), and skipping
+PyTorch's default initialisation saves seconds per billion weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Embedding(torch.nn.Module):
+    """Token embedding table, weight [vocab, hidden]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty_parameter(vocab_size, hidden_size, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
+
+
+class Linear(torch.nn.Module):
+    """``y = x @ W.T (+ b)`` with W [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty_parameter(out_features, in_features, dtype=dtype)
+        self.bias = _empty_parameter(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several projections of the same input stacked by rows, computed as one matmul.
+
+    ``shards`` lists (checkpoint name, rows) in row order, e.g. q_proj, k_proj, v_proj.
+    """
+
+    def __init__(self, in_features: int, shards: list[tuple[str, int]], *, bias: bool, dtype: torch.dtype) -> None:
+        self.shard_names = tuple(name for name, _ in shards)
+        self.shard_sizes = tuple(rows for _, rows in shards)
+        super().__init__(in_features, sum(self.shard_sizes), bias=bias, dtype=dtype)
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections of x, one tensor per shard."""
+        return self.forward(x).split(self.shard_sizes, dim=-1)
+
+
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back before the weight."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_parameter(hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(torch.nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+
+    gate and up are one fused projection: rows [0, I) are gate, [I, 2I) are up.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        shards = [("gate_proj", intermediate_size), ("up_proj", intermediate_size)]
+        self.gate_up_proj = FusedLinear(hidden_size, shards, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward_split(x)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)

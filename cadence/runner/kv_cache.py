@@ -1,0 +1,121 @@
+"""The paged KV cache: per-layer key and value tensors cut into fixed-size blocks.
+
+The scheduler's KV cache manager hands out block ids; this module owns the
+memory those ids name. A token's *slot* is where its key and value live:
+
+    slot = block_id * block_size + offset_in_block
+
+so one layer's cache, viewed flat as ``[num_blocks * block_size, Hkv, D]``,
+is indexed by slot directly. Writing a step's new keys and values is a single
+scatter per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from cadence.models.config import ModelConfig
+
+
+def bytes_per_block(model_config: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
+    """Memory one block takes across all layers, keys and values together."""
+    itemsize = dtype.itemsize
+    per_token = model_config.num_key_value_heads * model_config.head_dim * itemsize
+    return 2 * model_config.num_hidden_layers * block_size * per_token
+
+
+def num_blocks_for_budget(
+    budget_bytes: int, model_config: "ModelConfig", block_size: int, dtype: torch.dtype
+) -> int:
+    """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
+    return max(0, int(budget_bytes) // bytes_per_block(model_config, block_size, dtype))
+
+
+@dataclass
+class PagedKVCache:
+    """Key and value caches of every layer, each ``[num_blocks, block_size, Hkv, D]``.
+
+    Both live in one tensor ``[L, 2, num_blocks, block_size, Hkv, D]`` so the
+    whole cache is one allocation; ``keys(layer)`` and ``values(layer)`` are
+    views of one layer's blocks. Token-major blocks (``[block_size, Hkv, D]``)
+    make a block one contiguous chunk, so attention gathers whole blocks with
+    a single ``index_select`` instead of token by token.
+    """
+
+    data: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> "PagedKVCache":
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded reads of unused slots must never see NaN/inf
+        # (they are masked out, but 0 * NaN would still poison a softmax).
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @classmethod
+    def for_model(
+        cls,
+        model_config: "ModelConfig",
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> "PagedKVCache":
+        return cls.allocate(
+            num_layers=model_config.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def keys(self, layer_idx: int) -> torch.Tensor:
+        """Key blocks of one layer, ``[num_blocks, block_size, Hkv, D]`` (a view)."""
+        return self.data[layer_idx, 0]
+
+    def values(self, layer_idx: int) -> torch.Tensor:
+        """Value blocks of one layer, ``[num_blocks, block_size, Hkv, D]`` (a view)."""
+        return self.data[layer_idx, 1]
+
+    def write(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store new keys/values ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]`` (int64)."""
+        # 2-D views [num_slots, Hkv*D]: one row copy per token (fast on CPU).
+        num_slots, row = self.num_slots, k.shape[1] * k.shape[2]
+        keys = self.keys(layer_idx).view(num_slots, row)
+        values = self.values(layer_idx).view(num_slots, row)
+        keys.index_copy_(0, slot_mapping, k.reshape(-1, row).to(self.data.dtype))
+        values.index_copy_(0, slot_mapping, v.reshape(-1, row).to(self.data.dtype))

@@ -1,0 +1,335 @@
+"""``ModelRunner``: executes one ``SchedulerOutput`` on a real model.
+
+One step, start to end:
+
+    SchedulerOutput
+      -> update the persistent batch (new, finished, preempted, resumed requests;
+         appended blocks; computed-token counts)
+      -> flatten the scheduled requests into input ids, positions, slots
+      -> model forward with paged attention (KV written, then read, per layer)
+      -> logits only at the rows that sample (and at draft positions)
+      -> sample; verify drafts (accept the longest prefix the sampler agrees with)
+      -> logprobs, prompt logprobs, new drafts for the next step
+      -> ModelRunnerOutput
+
+The runner never sees a ``Request``: it keeps its own ``RequestState`` per
+request and appends every token it samples, so a decode step only needs the
+scheduler's "one more token" to know what to feed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
+from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from cadence.runner.attention import AttentionMetadata, PagedAttention
+from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
+from cadence.runner.kv_cache import PagedKVCache
+from cadence.runner.ngram_drafter import NgramDrafter
+from cadence.runner.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from cadence.runner.sampling_metadata import SamplingMetadata, make_generator
+
+if TYPE_CHECKING:
+    from cadence.config import SpeculativeConfig
+    from cadence.models.config import ModelConfig
+
+
+class ModelRunner:
+    """Owns the KV cache, the persistent batch and the per-request state."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: "ModelConfig",
+        *,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: str | torch.device = "cpu",
+        speculative_config: "SpeculativeConfig | None" = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.sliding_window = model_config.sliding_window
+        self.kv_cache = PagedKVCache.for_model(
+            model_config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
+        )
+        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.input_batch = InputBatch(
+            max_num_reqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_blocks_per_req=-(-(max_model_len + num_spec) // block_size),
+            block_size=block_size,
+        )
+        self.requests: dict[str, RequestState] = {}  # in the batch or preempted
+        self.sampler = Sampler()
+        self.drafter = _make_drafter(speculative_config)
+
+    # ------------------------------------------------------------ the step
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and report what each scheduled request sampled."""
+        self._update_states(scheduler_output)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
+        with torch.inference_mode():
+            hidden = self._forward(step)  # [T, hidden]
+            sampled, logprobs = self._sample(step, hidden, spec_tokens)
+            prompt_logprobs = self._prompt_logprobs(step, hidden)
+        for row, token_ids in zip(step.rows, sampled):
+            if token_ids:
+                self.input_batch.append_token_ids(row, token_ids)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(step.req_ids)},
+            sampled_token_ids=sampled,
+            spec_token_ids=self._propose_drafts(step, sampled),
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        metadata = AttentionMetadata.build(
+            step.query_start_loc.tolist(),
+            step.seq_lens.tolist(),
+            step.block_table,
+            step.slot_mapping,
+            self.block_size,
+            self.sliding_window,
+        ).to(self.device)
+        attention = PagedAttention(self.kv_cache, metadata)
+        device = self.device
+        return self.model(step.input_ids.to(device), step.positions.to(device), attention)
+
+    # ------------------------------------------------------------ batch updates
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            if req_id in batch:
+                batch.remove(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            if req_id in batch:
+                batch.remove(req_id)  # state kept: it comes back resumed
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._add_new_request(new_req)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i in range(cached.num_reqs):
+            self._update_cached_request(cached, i)
+
+    def _add_new_request(self, new_req: NewRequestData) -> None:
+        if new_req.req_id in self.input_batch:
+            self.input_batch.remove(new_req.req_id)  # sent anew: rebuild from scratch
+        state = RequestState(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            sampling_params=new_req.sampling_params,
+            generator=self._generator_for(new_req),
+            block_ids=list(new_req.block_ids),
+            num_computed_tokens=new_req.num_computed_tokens,
+            output_token_ids=list(new_req.output_token_ids),
+        )
+        self.requests[new_req.req_id] = state
+        self.input_batch.add(state)
+
+    def _generator_for(self, new_req: NewRequestData) -> torch.Generator | None:
+        """The request's own generator when it has a seed.
+
+        A request sent anew after preemption keeps the generator it had, so
+        its seeded stream goes on instead of restarting.
+        """
+        seed = new_req.sampling_params.seed
+        if seed is None:
+            return None
+        old = self.requests.get(new_req.req_id)
+        if old is not None and old.generator is not None:
+            if old.sampling_params == new_req.sampling_params:
+                return old.generator
+        return make_generator(seed, self.device)
+
+    def _update_cached_request(self, cached: CachedRequestData, i: int) -> None:
+        req_id, num_computed = cached.req_ids[i], cached.num_computed_tokens[i]
+        state = self.requests[req_id]
+        batch = self.input_batch
+        row = batch.req_id_to_row.get(req_id)
+        if cached.resumed_from_preemption[i]:
+            # Its old blocks were freed; it recomputes into these from num_computed.
+            if row is None:
+                state.block_ids = list(cached.new_block_ids[i])
+                state.num_computed_tokens = num_computed
+                row = batch.add(state)
+            else:
+                batch.replace_block_ids(row, cached.new_block_ids[i])
+        elif row is None:
+            state.block_ids.extend(cached.new_block_ids[i])
+            row = batch.add(state)
+        else:
+            batch.append_block_ids(row, cached.new_block_ids[i])
+        batch.set_num_computed_tokens(row, num_computed)
+        if cached.new_token_ids and cached.new_token_ids[i]:
+            self._absorb_sent_tokens(row, state, num_computed, cached.new_token_ids[i])
+
+    def _absorb_sent_tokens(
+        self, row: int, state: RequestState, num_computed: int, token_ids: list[int]
+    ) -> None:
+        """Tokens the scheduler sent because the runner could not know them.
+
+        They end at position ``num_computed + len(token_ids)``; only the tail
+        the runner does not hold yet is appended.
+        """
+        num_new = num_computed + len(token_ids) - state.num_tokens
+        if num_new > 0:
+            self.input_batch.append_token_ids(row, token_ids[-num_new:])
+
+    # ------------------------------------------------------------ sampling
+
+    def _sample(
+        self, step: StepInputs, hidden: torch.Tensor, spec_tokens: dict[str, list[int]]
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        """Tokens per scheduled request ([] for a mid-prompt chunk), and their logprobs.
+
+        Logits rows come in groups, one per sampling request: 1 + its number
+        of drafts, row j being the target's choice after drafts[:j].
+        """
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        seqs = np.flatnonzero(step.does_sample).tolist()
+        if not seqs:
+            return sampled, None
+        logits_indices = step.logits_indices.to(hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [N, V]
+        drafts = [spec_tokens.get(step.req_ids[s], []) for s in seqs]
+        states = [self.input_batch.states[step.rows[s]] for s in seqs]
+        metadata = self._sampling_metadata(states, drafts)
+        output = self.sampler.sample(logits, metadata)  # [N] tokens
+        token_ids = output.sampled_token_ids.tolist()
+        group_sizes = [1 + len(d) for d in drafts]
+        first_rows = [0] + list(itertools.accumulate(group_sizes))[:-1]
+        for s, seq_drafts, first in zip(seqs, drafts, first_rows):
+            sampled[s] = accept_drafts(seq_drafts, token_ids[first : first + 1 + len(seq_drafts)])
+        logprobs = _logprobs_lists(output, seqs, first_rows, states, len(step.req_ids))
+        return sampled, logprobs
+
+    def _sampling_metadata(
+        self, states: list[RequestState], drafts: list[list[int]]
+    ) -> SamplingMetadata:
+        """One sampling row per logits row; a draft row sees the drafts before it as outputs."""
+        params, prompts, outputs, generators = [], [], [], []
+        for state, seq_drafts in zip(states, drafts):
+            for j in range(1 + len(seq_drafts)):
+                params.append(state.sampling_params)
+                prompts.append(state.prompt_token_ids)
+                # No copy for the common row (j = 0): the sampler only reads it.
+                outputs.append(state.output_token_ids + seq_drafts[:j] if j else state.output_token_ids)
+                generators.append(state.generator)
+        return SamplingMetadata.build(
+            params, prompts, outputs, generators, self.model_config.vocab_size, self.device
+        )
+
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """For requests that ask: logprobs of each prompt token computed this step.
+
+        The logits at position p score prompt token p + 1, so the rows run
+        over positions [num_computed, min(seq_len, num_prompt - 1)).
+        """
+        result: dict[str, LogprobsLists] = {}
+        for s, row in enumerate(step.rows):
+            state = self.input_batch.states[row]
+            num_logprobs = state.sampling_params.prompt_logprobs
+            if num_logprobs is None:
+                continue
+            start = max(int(step.num_computed[s]), state.num_prompt_logprobs_sent)
+            end = min(int(step.seq_lens[s]), state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first = int(step.query_start_loc[s]) + start - int(step.num_computed[s])
+            logits = self.model.compute_logits(hidden[first : first + end - start])  # [P, V]
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1])  # [P]
+            ids, logprobs, ranks = compute_prompt_logprobs(
+                logits, targets.to(logits.device), num_logprobs
+            )
+            result[state.req_id] = LogprobsLists(ids.tolist(), logprobs.tolist(), ranks.tolist())
+            state.num_prompt_logprobs_sent = end
+        return result
+
+    # ------------------------------------------------------------ drafting
+
+    def _propose_drafts(self, step: StepInputs, sampled: list[list[int]]) -> list[list[int]] | None:
+        """Drafts for the next step, for the requests that just sampled."""
+        if self.drafter is None:
+            return None
+        drafts: list[list[int]] = []
+        for row, token_ids in zip(step.rows, sampled):
+            if not token_ids:
+                drafts.append([])
+                continue
+            tokens = self.input_batch.known_token_ids(row)
+            # The next step computes positions num_tokens - 1 .. num_tokens - 1 + k.
+            drafts.append(self.drafter.propose(tokens, self.max_model_len - len(tokens)))
+        return drafts
+
+
+def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The accepted drafts plus the target's own next token.
+
+    ``sampled[j]`` is what the target picked after ``drafts[:j]``
+    (len(drafts) + 1 entries). Draft j is accepted while every pick so far
+    equals its draft; the first disagreement is replaced by the pick, which is
+    an exact sample of the target (and the argmax under greedy), so the output
+    distribution is the target's own.
+    """
+    num_accepted = 0
+    while num_accepted < len(drafts) and sampled[num_accepted] == drafts[num_accepted]:
+        num_accepted += 1
+    return sampled[: num_accepted + 1]
+
+
+def _logprobs_lists(
+    output: SamplerOutput,
+    seqs: list[int],
+    first_rows: list[int],
+    states: list[RequestState],
+    num_reqs: int,
+) -> LogprobsLists | None:
+    """One row per scheduled request (the scheduler slices by request index).
+
+    A request that sampled nothing, or asked for no logprobs, gets an empty
+    row with rank 0. With drafts, the row describes the first sampled token.
+    """
+    if output.logprobs is None:
+        return None
+    token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+    logprobs: list[list[float]] = [[] for _ in range(num_reqs)]
+    ranks = [0] * num_reqs
+    all_ids, all_logprobs = output.logprobs_token_ids.tolist(), output.logprobs.tolist()
+    all_ranks = output.sampled_token_ranks.tolist()
+    for s, row, state in zip(seqs, first_rows, states):
+        k = state.sampling_params.logprobs
+        if k is None:
+            continue
+        token_ids[s] = all_ids[row][: 1 + k]
+        logprobs[s] = all_logprobs[row][: 1 + k]
+        ranks[s] = all_ranks[row]
+    return LogprobsLists(token_ids, logprobs, ranks)
+
+
+def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:
+    if config is None:
+        return None
+    if config.method != "ngram":
+        raise ValueError(f"method: only the ngram drafter is implemented, got {config.method!r}")
+    return NgramDrafter(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )

@@ -1,0 +1,246 @@
+"""Turn one step's logits into next tokens (and the logprobs clients asked for).
+
+Data flow of ``Sampler.sample`` for B rows over a vocabulary of V tokens::
+
+    raw logits (B, V) ──► log_softmax ──► logprobs of the sampled token + top-k
+         │                                (only when some row asks for logprobs)
+         ▼
+    penalties: repetition (prompt ∪ output tokens), then frequency and presence
+         │     (output tokens only)
+         ├──► greedy rows: argmax
+         ▼
+    random rows: ÷ temperature ─► min_p ─► top_k ─► top_p ─► softmax
+                 ─► argmax(p / q), q ~ Exp(1)
+
+Logprobs come from the raw logits, before penalties, temperature and the
+filters: they report what the model believes, the number clients compare
+across requests, and they stay finite for every token, where the filtered
+distribution is -inf almost everywhere. (vLLM's default does the same.)
+
+Random rows draw ``q ~ Exp(1)`` per token and take ``argmax(p / q)``, which
+picks token t with probability p_t (the exponential form of the Gumbel-max
+trick) without a cumulative sum. A row whose request has a seed draws its
+``q`` from its own generator with shape (V,), so its tokens depend only on
+its logits and its generator, never on which other rows share the batch or
+where the row sits in it. Unseeded rows share one draw from torch's default
+generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cadence.runner.sampling_metadata import SamplingMetadata
+from cadence.sampling_params import GREEDY_EPSILON
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Tokens of one step, and their logprobs when some row asked for them.
+
+    The logprobs tensors have ``1 + metadata.max_num_logprobs`` columns for
+    every row; a row that asked for k logprobs keeps the first ``1 + k``.
+    """
+
+    sampled_token_ids: torch.Tensor  # (B,) int64
+    logprobs_token_ids: torch.Tensor | None = None  # (B, 1 + k) int64: sampled, then top-k
+    logprobs: torch.Tensor | None = None  # (B, 1 + k) float32, same layout
+    sampled_token_ranks: torch.Tensor | None = None  # (B,) int64, 1 = most likely
+
+
+class Sampler:
+    """Stateless; holds no tensors, so one instance serves every step."""
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Pick one token per row of ``logits`` (B, V); ``logits`` is not modified."""
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)  # (B, V)
+        logits = apply_penalties(logits, metadata)
+        token_ids = _pick_tokens(logits, metadata)  # (B,)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=token_ids)
+        ids, logprobs, ranks = gather_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs)
+        return SamplerOutput(token_ids, ids, logprobs, ranks)
+
+
+def _pick_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """(B,) int64: argmax for greedy rows, a filtered random draw for the others."""
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    random_ids = _sample_random(logits, metadata)
+    if metadata.all_random:
+        return random_ids
+    is_greedy = metadata.temperature < GREEDY_EPSILON  # (B,)
+    return torch.where(is_greedy, logits.argmax(dim=-1), random_ids)
+
+
+def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """(B,) int64 drawn after temperature and filters (greedy rows are filtered as off)."""
+    logits = apply_temperature(logits, metadata.temperature)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    elif metadata.top_k is not None:
+        logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+    probs = logits.softmax(dim=-1)  # (B, V)
+    return exponential_sample(probs, metadata.generators)
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties; a new (B, V) tensor."""
+    if metadata.no_penalties:
+        return logits
+    seen = metadata.prompt_token_mask | (metadata.output_token_counts > 0)  # (B, V)
+    logits = apply_repetition_penalty(logits, seen, metadata.repetition_penalties)
+    return apply_frequency_presence_penalties(
+        logits,
+        metadata.output_token_counts,
+        metadata.frequency_penalties,
+        metadata.presence_penalties,
+    )
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor
+) -> torch.Tensor:
+    """Make seen tokens less likely: divide positive logits by r, multiply negative ones.
+
+    logits (B, V), seen (B, V) bool, penalties (B,); r > 1 penalises, r < 1 favours.
+    """
+    r = penalties.unsqueeze(1)  # (B, 1)
+    penalised = torch.where(logits > 0, logits / r, logits * r)  # (B, V)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_frequency_presence_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI semantics: ``logit - frequency * count - presence * (count > 0)``.
+
+    logits (B, V), output_counts (B, V) int, frequency and presence (B,).
+    """
+    counts = output_counts.to(logits.dtype)  # (B, V)
+    occurred = (output_counts > 0).to(logits.dtype)  # (B, V)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * occurred
+
+
+# ---------------------------------------------------- temperature and filters
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature (B,); greedy rows are divided by 1."""
+    safe = torch.where(temperature < GREEDY_EPSILON, torch.ones_like(temperature), temperature)
+    return logits / safe.unsqueeze(1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # (B, V)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # (B, 1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties with the k-th kept), without a sort.
+
+    top_k (B,) is V for rows without top-k; ``max_top_k`` is the largest
+    value below V, so one ``topk`` of width max_top_k serves every row.
+    """
+    vocab_size = logits.shape[-1]
+    top_values = logits.topk(max_top_k, dim=-1).values  # (B, K), descending
+    kth_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)  # (B, 1)
+    kth_value = top_values.gather(1, kth_index)  # (B, 1)
+    kth_value = kth_value.masked_fill(top_k.unsqueeze(1) >= vocab_size, _NEG_INF)
+    return logits.masked_fill(logits < kth_value, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k (if given), then keep the smallest set of tokens whose probability reaches top_p.
+
+    One ascending sort serves both filters::
+
+        sorted:   [ least likely ............................ most likely ]
+        top-k:    [ logit < sorted[V - k]: dropped | k largest (and ties) ]
+        top-p:    [ cumsum <= 1 - p: dropped       | kept; the last always ]
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, stable=True)  # (B, V) ascending
+    if top_k is not None:
+        kth_value = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # (B, 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, _NEG_INF)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)  # (B, V)
+    drop &= (top_p < 1.0).unsqueeze(1)  # rows without top-p keep every token
+    drop[:, -1] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+# ---------------------------------------------------------------- drawing
+
+
+def exponential_sample(
+    probs: torch.Tensor, generators: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """(B,) int64: ``argmax(probs / q)`` with ``q ~ Exp(1)``, i.e. token t with probability p_t.
+
+    Rows in ``generators`` draw their (V,) noise from their own generator.
+    """
+    q = torch.empty_like(probs)  # (B, V)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # q == 0 would turn a zero probability into 0/0 = NaN, which argmax picks.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chosen token's logprob and rank, and the row's ``num_logprobs`` best tokens.
+
+    logprobs (N, V), token_ids (N,) -> ids (N, 1 + k) int64 and logprobs
+    (N, 1 + k) with the chosen token in column 0, and ranks (N,) int64
+    (1-based: 1 + the number of tokens strictly more likely). k is
+    ``num_logprobs`` capped at V.
+    """
+    k = min(num_logprobs, logprobs.shape[-1])
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # (N, k)
+    token_ids = token_ids.unsqueeze(1)  # (N, 1)
+    token_logprobs = logprobs.gather(1, token_ids)  # (N, 1)
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # (N,)
+    ids = torch.cat([token_ids, top_ids], dim=1)
+    return ids, torch.cat([token_logprobs, top_logprobs], dim=1), ranks
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of each prompt position's actual next token, plus the top ``num_logprobs``.
+
+    logits (P, V) raw model output at P positions, target_ids (P,) the token
+    that follows each position -> (ids (P, 1 + k), logprobs (P, 1 + k),
+    ranks (P,)), laid out as in ``gather_logprobs``.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)  # (P, V)
+    return gather_logprobs(logprobs, target_ids, num_logprobs)

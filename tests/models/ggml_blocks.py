@@ -1,0 +1,121 @@
+"""Independent decoders of ggml's block formats, for checking cadence's dequantization.
+
+Written block by block from the layouts in ggml-common.h (``block_q4_K`` etc.)
+and the scalar ``dequantize_row_*`` routines of ggml-quants.c, deliberately
+plain (loops, no vectorised tricks) so they are easy to compare with the C.
+All arithmetic is float32, as in C.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK = 32  # values per block of Q8_0 / Q4_0 / Q4_1
+QK_K = 256  # values per super-block of the K-quants
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q4_K": QK_K, "Q6_K": QK_K}
+
+
+def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """float32 [rows, cols] from raw bytes holding rows*cols/block values blocks."""
+    decode = _DECODERS[kind]
+    size = BLOCK_BYTES[kind]
+    flat = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    blocks = [decode(flat[i:i + size]) for i in range(0, flat.size, size)]
+    return np.concatenate(blocks).reshape(shape)
+
+
+def random_blocks(kind: str, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid blocks: random quants and sub-scales, small finite fp16 scales."""
+    raw = rng.integers(0, 256, size=(num_blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
+    for offset in _FP16_FIELDS[kind]:
+        scale = rng.uniform(-0.01, 0.01, size=num_blocks).astype(np.float16)
+        raw[:, offset:offset + 2] = scale.view(np.uint8).reshape(num_blocks, 2)
+    return raw
+
+
+def _f16(two_bytes: np.ndarray) -> np.float32:
+    return np.float32(two_bytes.view(np.float16)[0])
+
+
+def _q8_0(block: np.ndarray) -> np.ndarray:
+    # struct { half d; int8 qs[32]; }  y = qs * d
+    d = _f16(block[0:2])
+    qs = block[2:34].view(np.int8)
+    return np.array([np.float32(q) * d for q in qs], dtype=np.float32)
+
+
+def _q4_0(block: np.ndarray) -> np.ndarray:
+    # struct { half d; uint8 qs[16]; }  low nibbles are values 0..15, high nibbles 16..31
+    d = _f16(block[0:2])
+    qs = block[2:18]
+    y = np.zeros(QK, dtype=np.float32)
+    for j in range(QK // 2):
+        y[j] = np.float32(int(qs[j] & 0x0F) - 8) * d
+        y[j + QK // 2] = np.float32(int(qs[j] >> 4) - 8) * d
+    return y
+
+
+def _q4_1(block: np.ndarray) -> np.ndarray:
+    # struct { half d; half m; uint8 qs[16]; }  y = q * d + m
+    d, m = _f16(block[0:2]), _f16(block[2:4])
+    qs = block[4:20]
+    y = np.zeros(QK, dtype=np.float32)
+    for j in range(QK // 2):
+        y[j] = np.float32(qs[j] & 0x0F) * d + m
+        y[j + QK // 2] = np.float32(qs[j] >> 4) * d + m
+    return y
+
+
+def _k4_scale_min(j: int, scales: np.ndarray) -> tuple[int, int]:
+    """6-bit scale and min of sub-block j (0..7) from the 12 packed bytes."""
+    q = [int(b) for b in scales]
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4)
+    minimum = (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+    return scale, minimum
+
+
+def _q4_k(block: np.ndarray) -> np.ndarray:
+    # struct { half d; half dmin; uint8 scales[12]; uint8 qs[128]; }
+    # 8 sub-blocks of 32; each 32 bytes of qs hold two sub-blocks (low then high nibbles).
+    d, dmin = _f16(block[0:2]), _f16(block[2:4])
+    scales, qs = block[4:16], block[16:144]
+    y = np.zeros(QK_K, dtype=np.float32)
+    for chunk in range(4):
+        for sub, shift in ((2 * chunk, 0), (2 * chunk + 1, 4)):
+            scale, minimum = _k4_scale_min(sub, scales)
+            d_sub, m_sub = d * np.float32(scale), dmin * np.float32(minimum)
+            for l in range(32):
+                q = (int(qs[32 * chunk + l]) >> shift) & 0x0F
+                y[32 * sub + l] = d_sub * np.float32(q) - m_sub
+    return y
+
+
+def _q6_k(block: np.ndarray) -> np.ndarray:
+    # struct { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d; }
+    # Two halves of 128 values; in each, value l + 32*k takes 4 low bits from ql
+    # and 2 high bits from qh, minus 32, times d * scale[of its 16-value group].
+    ql, qh = block[0:128], block[128:192]
+    sc = block[192:208].view(np.int8)
+    d = _f16(block[208:210])
+    y = np.zeros(QK_K, dtype=np.float32)
+    for half in range(2):
+        base, l_off, h_off, s_off = 128 * half, 64 * half, 32 * half, 8 * half
+        for l in range(32):
+            low = (int(ql[l_off + l]), int(ql[l_off + l + 32]))
+            high = int(qh[h_off + l])
+            quants = ((low[0] & 0x0F) | ((high >> 0) & 3) << 4,
+                      (low[1] & 0x0F) | ((high >> 2) & 3) << 4,
+                      (low[0] >> 4) | ((high >> 4) & 3) << 4,
+                      (low[1] >> 4) | ((high >> 6) & 3) << 4)
+            group = s_off + l // 16
+            for k, q in enumerate(quants):
+                y[base + l + 32 * k] = d * np.float32(sc[group + 2 * k]) * np.float32(q - 32)
+    return y
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+# Byte offsets of the fp16 scale fields in each block.
+_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}

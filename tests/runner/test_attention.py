@@ -1,0 +1,186 @@
+"""Paged attention against a dense reference on random mixed batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cadence.runner.attention import AttentionMetadata, PagedAttention
+from cadence.runner.kv_cache import PagedKVCache, num_blocks_for_budget
+
+
+def dense_attention(q, k, v, first_pos, sliding_window=None):
+    """q [Q, Hq, D] at positions first_pos.., k/v [L, Hkv, D] for positions 0..L-1."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5  # [Hq, Q, L]
+    q_pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Q, Hq, D]
+
+
+def make_step(rng, *, num_seqs, block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype):
+    """Random sequences (decodes, short and long chunks with cached prefixes).
+
+    Returns the cache (prefixes already written), the step's flat q/k/v, the
+    metadata inputs and each sequence's full keys/values for the reference.
+    """
+    cache = PagedKVCache.allocate(
+        num_layers=1, num_blocks=num_blocks, block_size=block_size,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+    )
+    free_blocks = list(range(num_blocks))
+    rng.shuffle(free_blocks)
+    seqs = []
+    for _ in range(num_seqs):
+        kind = rng.choice(["decode", "short", "prefill", "prefill_cached"])
+        num_cached = 0 if kind == "prefill" else rng.randint(1, 40)
+        query_len = {"decode": 1, "short": rng.randint(2, 6)}.get(kind, rng.randint(9, 30))
+        seq_len = num_cached + query_len
+        blocks = [free_blocks.pop() for _ in range(-(-seq_len // block_size))]
+        keys = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+        seqs.append((num_cached, query_len, blocks, keys, values))
+    return cache, seqs
+
+
+def slots_of(blocks, positions, block_size):
+    return [blocks[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_window=None):
+    # Cached prefixes are already in the cache.
+    for num_cached, _, blocks, keys, values in seqs:
+        slots = torch.tensor(slots_of(blocks, range(num_cached), block_size), dtype=torch.long)
+        cache.write(0, keys[:num_cached], values[:num_cached], slots)
+    query_start_loc, seq_lens, slot_mapping, ks, vs = [0], [], [], [], []
+    for num_cached, query_len, blocks, keys, values in seqs:
+        seq_len = num_cached + query_len
+        query_start_loc.append(query_start_loc[-1] + query_len)
+        seq_lens.append(seq_len)
+        slot_mapping += slots_of(blocks, range(num_cached, seq_len), block_size)
+        ks.append(keys[num_cached:])
+        vs.append(values[num_cached:])
+    max_blocks = max(len(s[2]) for s in seqs) + 2
+    block_table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    for i, (_, _, blocks, _, _) in enumerate(seqs):
+        block_table[i, : len(blocks)] = torch.tensor(blocks)
+    metadata = AttentionMetadata.build(
+        query_start_loc, seq_lens, block_table,
+        torch.tensor(slot_mapping, dtype=torch.long), block_size, sliding_window,
+    )
+    q = torch.randn(query_start_loc[-1], num_heads, head_dim).to(dtype)
+    out = PagedAttention(cache, metadata)(0, q, torch.cat(ks), torch.cat(vs))
+    return q, out, query_start_loc
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_matches_dense_reference_float32(seed, sliding_window):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_size = rng.choice([1, 4, 16])
+    num_kv_heads = rng.choice([1, 2])
+    num_heads = num_kv_heads * rng.choice([1, 3])
+    dims = dict(num_heads=num_heads, head_dim=8, block_size=block_size, dtype=torch.float32)
+    cache, seqs = make_step(
+        rng, num_seqs=rng.randint(1, 6), num_blocks=256, num_kv_heads=num_kv_heads, **dims
+    )
+    q, out, starts = run_step(cache, seqs, sliding_window=sliding_window, **dims)
+    for i, (num_cached, query_len, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, sliding_window)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_dense_reference_bfloat16(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dims = dict(num_heads=4, head_dim=16, block_size=4, dtype=torch.bfloat16)
+    cache, seqs = make_step(rng, num_seqs=5, num_blocks=256, num_kv_heads=2, **dims)
+    q, out, starts = run_step(cache, seqs, **dims)
+    assert out.dtype == torch.bfloat16
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_reads_blocks_written_by_another_sequence_in_the_same_step():
+    """B's cached prefix lives in a block that A fills in this very step."""
+    torch.manual_seed(0)
+    block_size, heads, dim = 4, 2, 8
+    cache = PagedKVCache.allocate(
+        num_layers=1, num_blocks=8, block_size=block_size,
+        num_kv_heads=heads, head_dim=dim, dtype=torch.float32,
+    )
+    keys = torch.randn(12, heads, dim)
+    values = torch.randn(12, heads, dim)
+    # A: positions 0..9 in blocks [5, 2, 6]; B: same first 4 tokens (block 5
+    # "cached"), then its own positions 4..5 in block 3 (as a decode-like
+    # short query and as a long one would both read block 5).
+    a_slots = slots_of([5, 2, 6], range(10), block_size)
+    b_keys = torch.cat([keys[:4], torch.randn(2, heads, dim)])
+    b_values = torch.cat([values[:4], torch.randn(2, heads, dim)])
+    b_slots = slots_of([5, 3], range(4, 6), block_size)
+    block_table = torch.tensor([[5, 2, 6], [5, 3, 0]], dtype=torch.int32)
+    metadata = AttentionMetadata.build(
+        [0, 10, 12], [10, 6], block_table, torch.tensor(a_slots + b_slots), block_size
+    )
+    q = torch.randn(12, heads, dim)
+    out = PagedAttention(cache, metadata)(
+        0, q, torch.cat([keys[:10], b_keys[4:]]), torch.cat([values[:10], b_values[4:]])
+    )
+    torch.testing.assert_close(out[:10].double(), dense_attention(q[:10], keys[:10], values[:10], 0))
+    torch.testing.assert_close(out[10:].double(), dense_attention(q[10:], b_keys, b_values, 4))
+
+
+def test_write_scatters_to_slots():
+    cache = PagedKVCache.allocate(
+        num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=3, dtype=torch.float32
+    )
+    k = torch.arange(6.0).view(2, 1, 3)
+    cache.write(1, k, -k, torch.tensor([5, 0]))
+    assert torch.equal(cache.keys(1)[2, 1], k[0])  # slot 5 = block 2, offset 1
+    assert torch.equal(cache.values(1)[0, 0], -k[1])
+    assert cache.data[0].abs().sum() == 0
+
+
+def test_num_blocks_for_budget():
+    class Config:
+        num_hidden_layers, num_key_value_heads, head_dim = 2, 4, 8
+
+    per_block = 2 * 2 * 16 * 4 * 8 * 2  # k+v, layers, block_size, heads, dim, bf16 bytes
+    assert num_blocks_for_budget(10 * per_block + 1, Config, 16, torch.bfloat16) == 10
+    assert num_blocks_for_budget(per_block - 1, Config, 16, torch.bfloat16) == 0
+
+
+def test_decodes_of_very_different_lengths_are_grouped():
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 8
+    cache = PagedKVCache.allocate(
+        num_layers=1, num_blocks=512, block_size=block_size,
+        num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,
+    )
+    free_blocks = torch.randperm(512).tolist()
+    seqs = []
+    for num_cached in [1, 3, 9, 30, 31, 90, 200, 201]:
+        blocks = [free_blocks.pop() for _ in range(-(-(num_cached + 1) // block_size))]
+        seqs.append((num_cached, 1, blocks, torch.randn(num_cached + 1, kv_heads, dim),
+                     torch.randn(num_cached + 1, kv_heads, dim)))
+    dims = dict(num_heads=heads, head_dim=dim, block_size=block_size, dtype=torch.float32)
+    q, out, starts = run_step(cache, seqs, **dims)
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+    groups = AttentionMetadata.build(
+        starts, [s[0] + 1 for s in seqs], torch.zeros(len(seqs), 60, dtype=torch.int32),
+        torch.zeros(len(seqs), dtype=torch.long), block_size,
+    ).batched
+    assert 1 < len(groups) < len(seqs)
