@@ -6,8 +6,6 @@ dequantization, weight mapping and decoder end to end, in float32.
 """
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import transformers
 
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.loader import default_model_path, load_model
+from hf_reference import transformers_reference
 
 STRINGS = [
     "Hello, world!",
@@ -41,25 +40,6 @@ LONG_ANSWER_PROMPTS = [
      {"role": "user", "content": "Tell me a fun fact about octopuses."}],
     [{"role": "user", "content": "Write a short poem about autumn leaves."}],
 ]
-
-
-def transformers_reference(path):
-    """transformers' model and tokenizer for the same GGUF, float32."""
-    folder, name = os.path.split(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    if importlib.util.find_spec("accelerate") is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        return model.eval(), tokenizer
-    # from_pretrained refuses GGUF without accelerate; run the same GGUF conversion by hand.
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="module")
