@@ -42,6 +42,12 @@ class RequestState:
     # Prompt positions whose logprobs were already reported (a recompute after
     # preemption must not report them twice).
     num_prompt_logprobs_sent: int = 0
+    eos_token_id: int | None = None
+
+    @property
+    def min_tokens_pending(self) -> bool:
+        """Whether EOS and stop tokens must not be sampled yet (min_tokens)."""
+        return len(self.output_token_ids) < self.sampling_params.min_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -141,6 +141,7 @@ class ModelRunner:
             block_ids=list(new_req.block_ids),
             num_computed_tokens=new_req.num_computed_tokens,
             output_token_ids=list(new_req.output_token_ids),
+            eos_token_id=new_req.eos_token_id,
         )
         self.requests[new_req.req_id] = state
         self.input_batch.add(state)
@@ -213,6 +214,7 @@ class ModelRunner:
         drafts = [spec_tokens.get(step.req_ids[s], []) for s in seqs]
         states = [self.input_batch.states[step.rows[s]] for s in seqs]
         metadata = self._sampling_metadata(states, drafts)
+        _suppress_stops_before_min_tokens(logits, states, drafts)
         output = self.sampler.sample(logits, metadata)  # [N] tokens
         token_ids = output.sampled_token_ids.tolist()
         group_sizes = [1 + len(d) for d in drafts]
@@ -333,3 +335,22 @@ def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:
     return NgramDrafter(
         config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
     )
+
+
+def _suppress_stops_before_min_tokens(
+    logits: torch.Tensor, states: list[RequestState], drafts: list[list[int]]
+) -> None:
+    """EOS and stop tokens get -inf while a request has fewer than min_tokens outputs.
+
+    ``logits`` [N, V] has 1 + len(drafts) rows per sampling request.
+    """
+    row = 0
+    for state, seq_drafts in zip(states, drafts):
+        num_rows = 1 + len(seq_drafts)
+        if state.min_tokens_pending:
+            stop_ids = list(state.sampling_params.stop_token_ids)
+            if state.eos_token_id is not None:
+                stop_ids.append(state.eos_token_id)
+            if stop_ids:
+                logits[row:row + num_rows, stop_ids] = float("-inf")
+        row += num_rows

@@ -435,3 +435,24 @@ def test_sliding_window_matches_dense_windowed_recompute():
     sched.step({"a": 6})
     sched.decode(5)
     assert sched.outputs("a") == expected[len(prompt):]
+
+
+def first_token(runner, prompt, params, eos_token_id):
+    new = NewRequestData("a", prompt, params, list(range(4)), 0, eos_token_id=eos_token_id)
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={"a": len(prompt)}, total_num_scheduled_tokens=len(prompt)))
+    return out.sampled_token_ids[0][0]
+
+
+@torch.inference_mode()
+def test_min_tokens_keeps_eos_and_stop_tokens_from_being_sampled(model):
+    prompt = prompt_of(11, 9)
+    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), ReferenceAttention())
+    ranked = model.compute_logits(hidden[-1:])[0].argsort(descending=True).tolist()
+    best, second, third = ranked[:3]
+    plain = SamplingParams(temperature=0.0, max_tokens=None)
+    assert first_token(make_runner(model), prompt, plain, eos_token_id=best) == best
+    held = SamplingParams(temperature=0.0, max_tokens=None, min_tokens=2, stop_token_ids=[second])
+    # EOS (best) and the stop token (second) are masked: the third choice wins.
+    assert first_token(make_runner(model), prompt, held, eos_token_id=best) == third

@@ -32,6 +32,8 @@ class NewRequestData:
     mm_positions: "list[PlaceholderRange]" = field(default_factory=list)
     mm_hashes: list[str] = field(default_factory=list)
     parent_request_id: str | None = None
+    # The runner keeps EOS (and stop tokens) from being sampled before min_tokens.
+    eos_token_id: int | None = None
 
     @classmethod
     def from_request(cls, request: "Request", block_ids: list[int]) -> "NewRequestData":
@@ -46,6 +48,7 @@ class NewRequestData:
             mm_positions=request.mm_positions,
             mm_hashes=request.mm_hashes,
             parent_request_id=request.parent_request_id,
+            eos_token_id=request.eos_token_id if request.stops_on_eos else None,
         )
 
 
