@@ -238,30 +238,25 @@ def _field_names(cls: type) -> set[str]:
 
 def parse_memory(value: str | int | float, available_bytes: int) -> int:
     """Bytes from "2GiB", "512MB", "1073741824", or a fraction of available memory ("0.3")."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        text = str(value)
-    else:
-        text = str(value).strip()
+    text = str(value).strip().lower()
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lowered = text.lower()
-    for unit, scale in units.items():
-        if lowered.endswith(unit):
-            number = lowered[: -len(unit)].strip()
-            try:
-                return int(float(number) * scale)
-            except ValueError:
-                break
-    else:
-        try:
-            number_value = float(lowered)
-        except ValueError:
-            number_value = None
-        if number_value is not None:
-            if 0 < number_value < 1:
-                return int(number_value * available_bytes)
-            if number_value >= 1:
-                return int(number_value)
-    raise ValueError(f"kv_cache_memory: cannot read {value!r} (e.g. 2GiB, 512MB, or 0.3 of free memory)")
+    scale = 1
+    for unit, unit_scale in units.items():
+        if text.endswith(unit):
+            text, scale = text[: -len(unit)].strip(), unit_scale
+            break
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if number != number or number in (float("inf"), float("-inf")) or number <= 0:
+        raise ValueError(
+            f"kv_cache_memory: cannot read {value!r} as a positive size "
+            "(e.g. 2GiB, 512MB, or 0.3 of free memory)"
+        )
+    if scale == 1 and number < 1:
+        return int(number * available_bytes)  # a fraction of what is free
+    return int(number * scale)
 
 
 def config_fields(cls: type) -> list[dataclasses.Field]:

@@ -50,6 +50,13 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
         scheduler_config = dataclasses.replace(scheduler_config, sliding_window=model_config.sliding_window)
     num_blocks = _num_kv_blocks(options, model_config, dtype)
     cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks)
+    cache_capacity = num_blocks * cache_config.block_size
+    if cache_capacity < max_model_len:
+        # A request longer than the whole cache could never be scheduled.
+        print(f"cadence: max_model_len lowered from {max_model_len} to the KV cache's "
+              f"{cache_capacity} tokens", file=log)
+        max_model_len = cache_capacity
+        scheduler_config = dataclasses.replace(scheduler_config, max_model_len=max_model_len)
     block_bytes = bytes_per_block(model_config, cache_config.block_size, dtype)
     print(
         f"cadence: KV cache {num_blocks} blocks x {cache_config.block_size} tokens = "

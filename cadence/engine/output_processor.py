@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from cadence.core.outputs import EngineCoreOutput, LogprobsLists
+from cadence.core.request import FinishReason
 from cadence.core.sched.parallel_sampling import child_request_id
 from cadence.engine.detokenizer import IncrementalDetokenizer
 from cadence.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
@@ -66,21 +67,25 @@ class OutputProcessor:
             [request_id] if params.n == 1
             else [child_request_id(request_id, i) for i in range(params.n)]
         )
-        self._states[request_id] = _RequestState(
+        self._states[request_id] = state = _RequestState(
             request_id, prompt, prompt_token_ids, params, completions,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             engine_ids=engine_ids,
         )
         for i, engine_id in enumerate(engine_ids):
             self._routes[engine_id] = (request_id, i)
+        if params.n > 1:
+            # The parent computes the shared prompt before it forks: its prompt
+            # logprobs belong to the request (it samples no token itself).
+            self._routes[request_id] = (request_id, 0)
+            state.engine_ids.insert(0, request_id)
 
     def engine_request_ids(self, request_id: str) -> list[str]:
         """The ids the scheduler knows this request by (itself, or its children)."""
         state = self._states.get(request_id)
         if state is None:
             return []
-        # A parent that has not forked yet is known by its own id too.
-        return state.engine_ids if state.params.n == 1 else [request_id, *state.engine_ids]
+        return list(state.engine_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -95,6 +100,10 @@ class OutputProcessor:
                 continue
             state = self._states[route[0]]
             completion = state.completions[route[1]]
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None and route[1] == 0:
+                # Children past the first recompute parts of the prompt: count it once.
+                state.prompt_logprobs.extend(
+                    self._logprob_rows(out.new_prompt_logprobs, state.params.prompt_logprobs))
             if self._absorb(state, completion, out):
                 stopped_by_string.append(out.request_id)
             touched[state.request_id] = state
@@ -121,8 +130,6 @@ class OutputProcessor:
         if completion.finish_reason is not None:
             return False
         state.num_cached_tokens = out.num_cached_tokens
-        if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-            state.prompt_logprobs.extend(self._logprob_rows(out.new_prompt_logprobs, state.params.prompt_logprobs))
         new_ids = out.new_token_ids
         completion.token_ids.extend(new_ids)
         if completion.logprobs is not None and out.new_logprobs is not None:
@@ -131,7 +138,10 @@ class OutputProcessor:
             completion.cumulative_logprob += sum(
                 row[token].logprob for row, token in zip(rows, new_ids) if row and token in row
             )
-        stop_string = completion.detokenizer.append(new_ids)
+        text_ids = new_ids
+        if new_ids and self._ends_on_stop_token(state.params, out):
+            text_ids = new_ids[:-1]  # EOS / a stop token ends the text without showing in it
+        stop_string = completion.detokenizer.append(text_ids)
         if stop_string is not None:
             completion.finish_reason, completion.stop_reason = "stop", stop_string
             return out.finish_reason is None  # the scheduler still runs it: finish it there
@@ -139,6 +149,12 @@ class OutputProcessor:
             completion.finish_reason = str(out.finish_reason)
             completion.stop_reason = out.stop_reason
         return False
+
+    def _ends_on_stop_token(self, params: SamplingParams, out: EngineCoreOutput) -> bool:
+        if out.finish_reason != FinishReason.STOP or params.include_stop_str_in_output:
+            return False
+        last = out.new_token_ids[-1]
+        return last in params.stop_token_ids or last in self.tokenizer.eos_token_ids
 
     def _logprob_rows(
         self, lists: LogprobsLists, num_top: int | None, limit: int | None = None
@@ -166,14 +182,14 @@ class OutputProcessor:
             completions.append(CompletionOutput(
                 index=c.index, text=text, token_ids=list(c.token_ids),
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=c.logprobs,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
             ))
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
         )
 
     def _forget(self, state: _RequestState) -> None:

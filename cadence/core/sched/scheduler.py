@@ -494,6 +494,7 @@ class Scheduler(SchedulerInterface):
             stopped = False
             if new_token_ids:
                 new_token_ids, stopped = self._append_output(request, new_token_ids, max_model_len)
+            fork = False
             if stopped:
                 num_stopped += 1
                 kv_transfer_params = self._free_request(request)
@@ -501,9 +502,7 @@ class Scheduler(SchedulerInterface):
                 kv_transfer_params = None
                 if new_spec_token_ids is not None:
                     self._set_drafts(request, new_spec_token_ids[index])
-                if request.fork_point is not None and request.num_computed_tokens >= request.fork_point:
-                    self._fork(request)
-                    continue
+                fork = request.fork_point is not None and request.num_computed_tokens >= request.fork_point
             prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
             if new_token_ids or kv_transfer_params or prompt_logprobs is not None:
                 output = self._make_engine_core_output(
@@ -514,6 +513,8 @@ class Scheduler(SchedulerInterface):
                 if client_outputs is None:
                     client_outputs = outputs[request.client_index] = []
                 client_outputs.append(output)
+            if fork:
+                self._fork(request)
         if num_stopped:
             self._remove_finished_from_queues()
         if model_runner_output.kv_connector_output is not None:

@@ -1,0 +1,105 @@
+"""EngineOptions.from_kwargs (flat options -> config classes) and parse_memory."""
+
+import pytest
+
+from cadence.config import (
+    CacheConfig,
+    EngineConfig,
+    EngineOptions,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_memory,
+)
+
+GIB = 2**30
+
+
+def test_defaults():
+    options = EngineOptions.from_kwargs()
+    assert options.engine == EngineConfig()
+    assert options.scheduler == SchedulerConfig()
+    assert options.cache == CacheConfig()
+    assert options.speculative is None
+
+
+def test_options_go_to_the_class_that_owns_them():
+    options = EngineOptions.from_kwargs(
+        model="m.gguf", dtype="float32", seed=7, max_num_seqs=4, max_model_len=128,
+        policy="priority", block_size=32, kv_cache_memory="1GiB", enable_prefix_caching=False,
+    )
+    assert options.engine == EngineConfig(model="m.gguf", dtype="float32", seed=7)
+    assert options.scheduler == SchedulerConfig(max_num_seqs=4, max_model_len=128, policy="priority")
+    assert options.cache == CacheConfig(block_size=32, kv_cache_memory="1GiB", enable_prefix_caching=False)
+    assert options.speculative is None
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError, match=r"^max_num_sequences: unknown engine option"):
+        EngineOptions.from_kwargs(max_num_seqs=4, max_num_sequences=8)
+
+
+def test_invalid_value_is_named_by_its_class():
+    with pytest.raises(ValueError, match=r"^max_num_seqs: "):
+        EngineOptions.from_kwargs(max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"^dtype: "):
+        EngineOptions.from_kwargs(dtype="int8")
+    with pytest.raises(ValueError, match=r"^block_size: "):
+        EngineOptions.from_kwargs(block_size=0)
+
+
+def test_num_speculative_tokens_turns_speculative_decoding_on():
+    options = EngineOptions.from_kwargs(num_speculative_tokens=4, prompt_lookup_max=5)
+    assert options.speculative == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=5)
+    assert options.speculative.method == "ngram"
+
+
+def test_zero_speculative_tokens_means_off():
+    assert EngineOptions.from_kwargs(num_speculative_tokens=0).speculative is None
+
+
+def test_invalid_speculative_option_is_named():
+    with pytest.raises(ValueError, match=r"^prompt_lookup_min: "):
+        EngineOptions.from_kwargs(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
+
+
+def test_options_are_frozen():
+    options = EngineOptions.from_kwargs()
+    with pytest.raises(AttributeError):
+        options.scheduler.max_num_seqs = 3
+
+
+# ------------------------------------------------------------ parse_memory
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("2GiB", 2 * GIB), ("512MiB", 512 * 2**20), ("64KiB", 64 * 1024),
+        ("512MB", 512 * 10**6), ("2GB", 2 * 10**9), ("1kb", 1000), ("100B", 100),
+        (" 1.5 GiB ", int(1.5 * GIB)), ("1073741824", GIB), (GIB, GIB), (4096, 4096),
+    ],
+)
+def test_parse_memory_sizes(value, expected):
+    assert parse_memory(value, available_bytes=8 * GIB) == expected
+
+
+@pytest.mark.parametrize("value, expected", [("0.25", 2 * GIB), (0.5, 4 * GIB), ("0.125", GIB)])
+def test_parse_memory_fraction_of_available(value, expected):
+    assert parse_memory(value, available_bytes=8 * GIB) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "GiB", "2 XB", "", "0", "-0.5", "nan", True])
+def test_parse_memory_rejects_nonsense_naming_kv_cache_memory(value):
+    with pytest.raises(ValueError, match=r"^kv_cache_memory: "):
+        parse_memory(value, available_bytes=8 * GIB)
+
+
+@pytest.mark.parametrize("value", ["inf", "infGiB"])
+def test_parse_memory_rejects_infinity(value):
+    with pytest.raises(ValueError, match=r"^kv_cache_memory: "):
+        parse_memory(value, available_bytes=8 * GIB)
+
+
+def test_parse_memory_rejects_negative_sizes():
+    with pytest.raises(ValueError, match=r"^kv_cache_memory: "):
+        parse_memory("-1GiB", available_bytes=8 * GIB)
