@@ -1,6 +1,7 @@
 """Command line. Engine options are generated from the config dataclasses,
 so each option's default and help text live in ``cadence.config`` only.
 
+    cadence serve                                     # OpenAI-compatible server, default model
     cadence generate "Why is the sky blue?"          # the embedded default model
     cadence generate --dtype float32 --max-tokens 64 "Hello"
     cadence demo                                      # scheduler benchmark, small
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from cadence.server.cli import add_bench_serve_parser, add_serve_parser
 
 ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
 
@@ -93,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     demo = sub.add_parser("demo", help="run the scheduler benchmark on a small workload")
     demo.set_defaults(func=cmd_demo)
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))
     return parser
 
 

@@ -16,8 +16,7 @@ import msgspec
 from cadence.core.request import FinishReason, RequestEvent
 
 
-@dataclass(slots=True)
-class LogprobsLists:
+class LogprobsLists(msgspec.Struct, gc=False):
     """Top-k logprobs of sampled tokens, one row per sampled token.
 
     Row r: ``logprob_token_ids[r][0]`` is the sampled token, then its top-k.
@@ -130,8 +129,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    new_logprobs: Any = None
-    new_prompt_logprobs: Any = None
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     events: list[RequestEvent] | None = None
     kv_transfer_params: dict[str, Any] | None = None

@@ -27,6 +27,7 @@ from cadence.core.outputs import (
     EngineCoreOutputs,
     KVConnectorOutput,
     ModelRunnerOutput,
+    PrefixCacheStats,
     SchedulerStats,
     SpecDecodingStats,
 )
@@ -765,7 +766,7 @@ class Scheduler(SchedulerInterface):
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats(),
             spec_decoding_stats=spec_decoding_stats,
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),
             num_preemptions=self._num_step_preemptions,

@@ -1,0 +1,477 @@
+"""``AsyncLLM``: the asyncio front end of an engine core that runs in its own process.
+
+    HTTP handlers ──add_request──► AsyncLLM ──ZMQ PUSH (msgpack)──► engine-core process
+         ▲                           │  ▲                              (schedule, execute,
+         │ RequestOutput per step    │  └──ZMQ PULL◄── EngineCoreOutputs   update_from_output)
+         └──── per-request queue ◄───┘       (+ SchedulerStats)
+
+The front end keeps the tokenizer and the ``OutputProcessor`` (detokenization,
+stop strings, logprob rows), so none of that work delays an engine step. A
+stop string found here is sent back to the engine, which finishes the request
+as FINISHED_STOPPED. The engine process is watched through its sentinel: when
+it dies, requests in flight get ``EngineDeadError`` and new ones are refused.
+
+Wire format: every message is two frames, ``[kind, msgpack payload]``; the
+payload types are the msgspec structs below (core ``Request``s are rebuilt
+in the engine process from ``EngineCoreRequest``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
+from cadence.core.request import Request
+from cadence.engine.inputs import make_request
+from cadence.engine.output_processor import OutputProcessor
+from cadence.engine.outputs import RequestOutput
+from cadence.models.tokenizer import Tokenizer
+from cadence.sampling_params import SamplingParams
+
+logger = logging.getLogger("cadence.async_llm")
+
+# ---------------------------------------------------------------- wire format
+
+# Front end -> engine.
+ADD, ABORT, FINISH_STOPPED, UTILITY, SHUTDOWN = b"A", b"X", b"S", b"U", b"Q"
+# Engine -> front end.
+OUTPUTS, READY, UTILITY_RESULT, REQUEST_ERROR, FAILED = b"O", b"R", b"U", b"E", b"F"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
+    """A core ``Request`` as plain data; validated by the front end already."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+
+    @classmethod
+    def from_request(cls, request: Request) -> "EngineCoreRequest":
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
+                   request.eos_token_id, request.arrival_time, request.priority)
+
+    def to_request(self, max_model_len: int) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
+                       eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
+                       priority=self.priority, max_model_len=max_model_len)
+
+
+class EngineReady(msgspec.Struct, gc=False):
+    """The handshake: facts about the engine the front end needs."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class RequestError(msgspec.Struct, array_like=True, gc=False):
+    """The engine refused a request (the front end validates, so this is rare)."""
+
+    request_id: str
+    message: str
+
+
+class EngineFailed(msgspec.Struct, gc=False):
+    """The engine could not start, or a step raised; the process exits after this."""
+
+    message: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {
+    OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
+    READY: msgspec.msgpack.Decoder(EngineReady),
+    UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult),
+    REQUEST_ERROR: msgspec.msgpack.Decoder(RequestError),
+    FAILED: msgspec.msgpack.Decoder(EngineFailed),
+}
+
+
+def encode(kind: bytes, payload: Any) -> list[bytes]:
+    return [kind, _encoder.encode(payload)]
+
+
+def new_ipc_addresses() -> tuple[str, str, str]:
+    """(folder, input address, output address): Unix sockets in a private folder."""
+    folder = tempfile.mkdtemp(prefix="cadence-")
+    return folder, f"ipc://{folder}/input", f"ipc://{folder}/output"
+
+
+# ---------------------------------------------------------------- errors
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests wait for a running slot (answered with HTTP 429)."""
+
+
+# ---------------------------------------------------------------- stats
+
+
+class StatLogger(Protocol):
+    """What the front end reports (``cadence.server.metrics`` implements it)."""
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None: ...
+
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
+
+    def record_tokens(self, num_tokens: int, inter_token_latency_s: float | None) -> None: ...
+
+    def record_finished(self, e2e_s: float, ttft_s: float | None, finish_reason: str,
+                        num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The tokenizer alone (no weights): GGUF metadata, or a Hugging Face folder."""
+    from cadence.models.gguf_loader import read_gguf
+    from cadence.models.loader import default_model_path
+
+    path = default_model_path() if model is None else model
+    if path.endswith(".gguf"):
+        return Tokenizer.from_gguf_metadata(read_gguf(path)[1])
+    return Tokenizer.from_directory(path)
+
+
+# ---------------------------------------------------------------- the client
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of ``RequestOutput``.
+
+    Each item carries everything so far (text, token ids, logprob rows), so
+    outputs that queued up while the consumer was busy are merged into the
+    latest. ``close()`` aborts the request if it has not finished.
+    """
+
+    def __init__(self, llm: "AsyncLLM", request_id: str, queue: asyncio.Queue) -> None:
+        self.llm = llm
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.llm.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Streams requests through an engine-core process (see the module docstring).
+
+    Life cycle: ``AsyncLLM()`` binds the sockets; the caller starts the engine
+    process on ``input_address`` / ``output_address``; ``await attach(process,
+    tokenizer)`` waits for the handshake; ``shutdown()`` stops both.
+    """
+
+    def __init__(self, *, stat_logger: StatLogger | None = None,
+                 max_num_queued_requests: int | None = None) -> None:
+        self._folder, self.input_address, self.output_address = new_ipc_addresses()
+        # Sends go through a plain socket: a PUSH with no high-water mark never
+        # blocks, so a handler or the output loop can send without awaiting.
+        self._send_ctx = zmq.Context()
+        self._input = self._send_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(self.input_address)
+        self._ctx = zmq.asyncio.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(self.output_address)
+        self.stat_logger = stat_logger
+        self.max_num_queued_requests = max_num_queued_requests
+        self.tokenizer: Tokenizer | None = None
+        self.info: EngineReady | None = None
+        self.process: Any = None
+        self._processor: OutputProcessor | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._num_seqs: dict[str, int] = {}
+        self._num_unfinished_seqs = 0
+        self._utility_ids = itertools.count()
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        self._output_task: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+        self._failure: str | None = None
+
+    # ------------------------------------------------------------ start / stop
+
+    async def attach(self, process: Any, tokenizer: Tokenizer, timeout_s: float = 600.0) -> EngineReady:
+        """Wait for the engine's handshake, then start routing its outputs."""
+        self.process, self.tokenizer = process, tokenizer
+        self._processor = OutputProcessor(tokenizer)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(process.sentinel, self._on_engine_exit)
+        deadline = time.monotonic() + timeout_s
+        while self.info is None:
+            if self._dead is not None:
+                raise self._dead
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"the engine process sent no handshake in {timeout_s:.0f} s")
+            if await self._output.poll(200):
+                self._dispatch(await self._output.recv_multipart())
+        self._output_task = asyncio.create_task(self._output_loop(), name="cadence-engine-outputs")
+        return self.info
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        if self.process is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.process.sentinel)
+            except (ValueError, OSError):
+                pass
+            if self.process.is_alive():
+                self._send(SHUTDOWN, None)
+                await asyncio.to_thread(self.process.join, timeout_s)
+            if self.process.is_alive():
+                self.process.terminate()
+                await asyncio.to_thread(self.process.join, timeout_s)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._ctx.destroy(linger=0)
+        self._send_ctx.destroy(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self.info is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._queues)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        prompt: str | None = None, priority: int = 0,
+    ) -> RequestStream:
+        """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError."""
+        if self._dead is not None:
+            raise self._dead
+        assert self.info is not None and self.tokenizer is not None and self._processor is not None
+        request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
+                               self.info.max_model_len, priority=priority)
+        self._check_queue(params.n)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._timings[request_id] = _Timing(request.arrival_time, len(prompt_token_ids))
+        self._num_seqs[request_id] = params.n
+        self._num_unfinished_seqs += params.n
+        self._processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self._send(ADD, EngineCoreRequest.from_request(request))
+        return RequestStream(self, request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request (client gone) and free its blocks in the engine."""
+        if request_id not in self._queues or self._processor is None:
+            return
+        engine_ids = self._processor.engine_request_ids(request_id)
+        output = self._processor.abort(request_id)
+        if engine_ids and self._dead is None:
+            self._send(ABORT, engine_ids)
+        if output is not None:
+            self._record(output, time.time())
+        self._forget(request_id)
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
+        """Run a utility method in the engine process ("stats", "reset_prefix_cache")."""
+        if self._dead is not None:
+            raise self._dead
+        call_id = next(self._utility_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        self._send(UTILITY, UtilityCall(call_id, method, list(args)))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._utility_futures.pop(call_id, None)
+
+    def _check_queue(self, num_seqs: int) -> None:
+        # Sequences beyond max_num_seqs cannot run: they wait in the engine's queue.
+        if self.max_num_queued_requests is None:
+            return
+        assert self.info is not None
+        capacity = self.info.max_num_seqs + self.max_num_queued_requests
+        if self._num_unfinished_seqs + num_seqs > capacity:
+            num_queued = max(0, self._num_unfinished_seqs - self.info.max_num_seqs)
+            raise QueueFullError(
+                f"the server's queue is full: {num_queued} sequences are waiting for one of the "
+                f"{self.info.max_num_seqs} running slots (--max-num-queued-requests "
+                f"{self.max_num_queued_requests}); retry later")
+
+    def _send(self, kind: bytes, payload: Any) -> None:
+        self._input.send_multipart(encode(kind, payload), copy=False)
+
+    # ------------------------------------------------------------ outputs
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self._output.recv_multipart())
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError:
+            if self._dead is None:
+                self._mark_dead("the engine connection closed")
+        except Exception:  # a bug here must not leave requests hanging
+            logger.exception("cadence: the output loop failed")
+            self._mark_dead("the server's output loop failed")
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        kind, payload = frames[0], frames[1]
+        message = _decoders[kind].decode(payload)
+        if kind == OUTPUTS:
+            self._handle_outputs(message)
+        elif kind == READY:
+            self.info = message
+        elif kind == UTILITY_RESULT:
+            future = self._utility_futures.get(message.call_id)
+            if future is not None and not future.done():
+                if message.error is not None:
+                    future.set_exception(RuntimeError(message.error))
+                else:
+                    future.set_result(message.result)
+        elif kind == REQUEST_ERROR:
+            self._fail_request(message.request_id, ValueError(message.message))
+        elif kind == FAILED:
+            self._failure = message.message
+            logger.error("cadence: the engine failed:\n%s", message.message)
+
+    def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
+        assert self._processor is not None
+        now = time.time()
+        results, stopped = self._processor.process(outputs.outputs)
+        if stopped:
+            self._send(FINISH_STOPPED, stopped)
+        for result in results:
+            self._record(result, now)
+            queue = self._queues.get(result.request_id)
+            if queue is not None:
+                queue.put_nowait(result)
+            if result.finished:
+                self._forget(result.request_id)
+        if outputs.scheduler_stats is not None and self.stat_logger is not None:
+            self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+
+    def _record(self, output: RequestOutput, now: float) -> None:
+        timing = self._timings.get(output.request_id)
+        if timing is None or self.stat_logger is None:
+            return
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        num_new = num_tokens - timing.num_generation_tokens
+        if num_new > 0:
+            if timing.first_token is None:
+                timing.first_token = now
+                self.stat_logger.record_first_token(now - timing.arrival, timing.num_prompt_tokens)
+                self.stat_logger.record_tokens(num_new, None)
+            else:
+                self.stat_logger.record_tokens(num_new, now - (timing.last_token or now))
+            timing.last_token = now
+            timing.num_generation_tokens = num_tokens
+        if output.finished:
+            reasons = {c.finish_reason for c in output.outputs}
+            reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
+            ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
+            self.stat_logger.record_finished(now - timing.arrival, ttft, reason,
+                                             timing.num_prompt_tokens, num_tokens)
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._timings.pop(request_id, None)
+        self._num_unfinished_seqs -= self._num_seqs.pop(request_id, 0)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is None:
+            return
+        if self._processor is not None:
+            self._processor.abort(request_id)
+        queue.put_nowait(error)
+        self._forget(request_id)
+
+    # ------------------------------------------------------------ liveness
+
+    def _on_engine_exit(self) -> None:
+        self.process.join(0)  # reap it, so its exit code is known
+        exitcode = self.process.exitcode
+        detail = f" (exit code {exitcode})" if exitcode is not None else ""
+        reason = f": {self._failure.strip().splitlines()[-1]}" if self._failure else ""
+        self._mark_dead(f"the engine process died{detail}{reason}")
+
+    def _mark_dead(self, message: str) -> None:
+        if self._dead is not None:
+            return
+        logger.error("cadence: %s", message)
+        self._dead = EngineDeadError(message)
+        try:
+            asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        except (RuntimeError, ValueError, OSError, AttributeError):
+            pass
+        self._fail_all(self._dead)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._queues):
+            self._fail_request(request_id, error)
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+

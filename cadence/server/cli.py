@@ -1,0 +1,107 @@
+"""``cadence serve`` and ``cadence bench serve``: parsers the main CLI mounts.
+
+    cadence serve [--model PATH] [--host 127.0.0.1] [--port 8000] [every engine option]
+    cadence bench serve --rate 0.5 --num-prompts 64 [--base-url http://127.0.0.1:8000]
+
+Options are generated from ``ServerConfig`` and the engine's config classes
+(help text written once, in the dataclasses). Heavy imports (FastAPI, torch)
+wait until a command runs, so mounting these parsers costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from cadence.server.config import ServerConfig
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from cadence.cli import add_config_options  # here: cadence.cli imports this module
+
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (the engine core runs in its own process)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                    "/detokenize, /health and /metrics. Listens on 127.0.0.1 unless --host says "
+                    "otherwise.")
+    add_config_options(parser, (ServerConfig,))
+    add_config_options(parser)
+    parser.set_defaults(func=cmd_serve)
+    return parser
+
+
+def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from cadence.server.bench import add_arguments
+
+    parser = subparsers.add_parser(
+        "serve", help="load benchmark of a running server (Poisson arrivals)",
+        description="Send requests with Poisson arrivals to a running cadence (or any "
+                    "OpenAI-compatible) server; report TTFT, TPOT, ITL and end-to-end latency "
+                    "percentiles and throughput.")
+    add_arguments(parser)
+    parser.set_defaults(func=cmd_bench_serve)
+    return parser
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cadence.cli import engine_options_from_args
+    from cadence.config import EngineOptions
+
+    config = server_config_from_args(args)
+    engine_options = engine_options_from_args(args)
+    engine_options.setdefault("num_threads", serving_threads())
+    options = EngineOptions.from_kwargs(**engine_options)
+    model = options.engine.model
+    if model is not None and not os.path.exists(model):
+        raise ValueError(f"model: no such file or folder: {model}")
+    return run_server(config, options)
+
+
+def serving_threads() -> int:
+    """torch threads of the engine when --num-threads is not given: every core but
+    one, which the HTTP front end (tokenizing, detokenizing, SSE) needs. On a
+    small CPU an engine that also claims that core stalls at every OpenMP
+    barrier whenever the front end runs."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def run_server(config: ServerConfig, options: Any) -> int:
+    import uvicorn
+
+    from cadence.server.api import build_app
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(config, options)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.access_log, timeout_graceful_shutdown=3, lifespan="on",
+    ))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    return 0 if server.started else 1
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from cadence.server.bench import main_from_args
+
+    return main_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser (``python -m cadence.server``) with the same commands."""
+    parser = argparse.ArgumentParser(prog="python -m cadence.server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks")
+    add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))
+    return parser

@@ -1,0 +1,192 @@
+"""The engine-core process: ``build_engine`` + ``EngineCore``, driven over ZMQ.
+
+The loop, in the spawned process:
+
+    while running:
+        drain the input socket (add / abort / finish-by-stop-string / utility),
+            blocking on it while there is no work
+        if there is work: step once, send the EngineCoreOutputs (+ SchedulerStats)
+
+Messages are the msgspec structs of ``cadence.engine.async_llm``. Nothing here
+detokenizes or speaks HTTP: that is the front end's job, in another process,
+so it never stalls a step. The process exits on a shutdown message, when its
+parent dies, or after reporting a failed step (``EngineFailed``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from cadence.config import EngineOptions
+from cadence.core.outputs import EngineCoreOutputs, PrefixCacheStats
+from cadence.engine import async_llm as wire
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent lives
+
+
+def model_name_of(model: str | None) -> str:
+    """What /v1/models calls the model: the default's name, or the file/folder name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    name = Path(model.rstrip("/")).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def start_engine_process(
+    options: EngineOptions, input_address: str, output_address: str, model_name: str
+) -> multiprocessing.process.BaseProcess:
+    """Spawn the engine core (a fresh interpreter: no inherited threads or torch state)."""
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(
+        target=run_engine_core, args=(options, input_address, output_address, model_name),
+        name="cadence-engine-core", daemon=True,
+    )
+    process.start()
+    return process
+
+
+def run_engine_core(options: EngineOptions, input_address: str, output_address: str,
+                    model_name: str) -> None:
+    """The process's entry point."""
+    # Ctrl-C reaches the whole process group: the front end handles it and
+    # sends us a shutdown message (or dies, which we notice).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
+    try:
+        from cadence.engine.builder import build_engine
+
+        engine = build_engine(options)
+    except Exception:
+        outputs.send_multipart(wire.encode(wire.FAILED, wire.EngineFailed(traceback.format_exc())))
+        outputs.close(linger=2000)
+        sys.exit(1)
+    proc = EngineCoreProc(engine, inputs, outputs)
+    outputs.send_multipart(wire.encode(wire.READY, proc.ready_message(model_name)))
+    try:
+        proc.run()
+    except Exception:
+        outputs.send_multipart(wire.encode(wire.FAILED, wire.EngineFailed(traceback.format_exc())))
+        outputs.close(linger=2000)
+        sys.exit(1)
+    engine.core.shutdown()
+    context.destroy(linger=0)
+
+
+class EngineCoreProc:
+    """One engine core and its two sockets."""
+
+    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        self.engine = engine
+        self.core = engine.core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.running = True
+        self._parent_pid = os.getppid()
+        self._poller = zmq.Poller()
+        self._poller.register(inputs, zmq.POLLIN)
+        self._decoders = {
+            wire.ADD: msgspec.msgpack.Decoder(wire.EngineCoreRequest),
+            wire.ABORT: msgspec.msgpack.Decoder(list[str]),
+            wire.FINISH_STOPPED: msgspec.msgpack.Decoder(list[str]),
+            wire.UTILITY: msgspec.msgpack.Decoder(wire.UtilityCall),
+        }
+        self._handlers = {
+            wire.ADD: self._add, wire.ABORT: self.core.abort_requests,
+            wire.FINISH_STOPPED: self.core.finish_by_stop_string, wire.UTILITY: self._utility,
+        }
+
+    def ready_message(self, model_name: str) -> wire.EngineReady:
+        options = self.engine.options
+        return wire.EngineReady(
+            model_name=model_name, max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.tokenizer.vocab_size,
+            max_num_seqs=options.scheduler.max_num_seqs,
+            num_kv_blocks=options.cache.num_gpu_blocks, block_size=options.cache.block_size,
+        )
+
+    def run(self) -> None:
+        while self.running:
+            self._receive(block=not self.core.has_work())
+            if self.running and self.core.has_work():
+                self._step()
+
+    def _receive(self, block: bool) -> None:
+        """Handle every queued message; first wait for one if ``block``."""
+        while block and self.running and not self._poller.poll(_IDLE_POLL_MS):
+            self._check_parent()
+        while self.running:
+            try:
+                kind, payload = self.inputs.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if kind == wire.SHUTDOWN:
+                self.running = False
+                return
+            self._handlers[kind](self._decoders[kind].decode(payload))
+
+    def _step(self) -> None:
+        outputs = self.core.step()
+        if not outputs:
+            # No request produced anything (prefill chunks, or only frees after an
+            # abort): still send the stats, so gauges such as KV usage stay current.
+            outputs = {0: wire_stats(self.core.scheduler)}
+        for engine_core_outputs in outputs.values():
+            stats = engine_core_outputs.scheduler_stats
+            if stats is not None and stats.prefix_cache_stats is None:
+                stats.prefix_cache_stats = PrefixCacheStats()
+            self.outputs.send_multipart(wire.encode(wire.OUTPUTS, engine_core_outputs), copy=False)
+        self._check_parent()
+
+    def _add(self, message: wire.EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(message.to_request(self.engine.max_model_len))
+        except ValueError as err:
+            error = wire.RequestError(message.request_id, str(err))
+            self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
+
+    def _utility(self, call: wire.UtilityCall) -> None:
+        try:
+            result = self._run_utility(call.method, *call.args)
+            reply = wire.UtilityResult(call.call_id, result)
+        except Exception as err:  # reported to the caller, the engine goes on
+            reply = wire.UtilityResult(call.call_id, error=f"{type(err).__name__}: {err}")
+        self.outputs.send_multipart(wire.encode(wire.UTILITY_RESULT, reply))
+
+    def _run_utility(self, method: str, *args: Any) -> Any:
+        scheduler = self.core.scheduler
+        if method == "stats":
+            num_running, num_waiting = scheduler.get_request_counts()
+            return {
+                "num_running_reqs": num_running, "num_waiting_reqs": num_waiting,
+                "kv_cache_usage": scheduler.kv_cache_manager.usage,
+                "num_free_blocks": scheduler.kv_cache_manager.num_free_blocks,
+                "num_steps": self.core.num_steps,
+            }
+        if method == "reset_prefix_cache":
+            return scheduler.reset_prefix_cache()
+        if method == "ping":
+            return "pong"
+        raise ValueError(f"method: unknown utility {method!r}")
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self._parent_pid:  # the front end is gone: nobody reads us
+            self.running = False
+
+
+def wire_stats(scheduler: Any) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=[], scheduler_stats=scheduler.make_stats())

@@ -1,0 +1,112 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a request can meet maps to one status here:
+
+    ValueError("field: ...")          400  param = field (SamplingParams, prompts)
+    request validation (pydantic)     400  param = the offending field; malformed JSON too
+    unknown model                     404  param = "model"
+    QueueFullError                    429
+    GenerationFailed (engine died)    500  for requests that were in flight
+    EngineDeadError                   503  for new requests, and /health
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cadence.engine.async_llm import EngineDeadError, QueueFullError
+
+ERROR_TYPES = {
+    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    429: "rate_limit_error", 499: "client_closed_request", 500: "server_error",
+    503: "service_unavailable",
+}
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+class ModelNotFound(Exception):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
+
+
+class GenerationFailed(RuntimeError):
+    """The engine died while this request was generating."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def field_of(message: str) -> str | None:
+    """"temperature: must be >= 0" -> "temperature"."""
+    match = _FIELD.match(message)
+    return match.group(1) if match else None
+
+
+def validation_error_response(err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return error_response(400, f"malformed JSON body: {detail}".rstrip(": "))
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union members add their type names to the location: keep the field path.
+    path = [p for p in location if not _is_type_name(p)]
+    param = ".".join(path) if path else None
+    message = first.get("msg", "invalid value")
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "the body must be a JSON object"
+    return error_response(400, f"{param}: {message}" if param else message, param)
+
+
+def _is_type_name(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list", "dict") or "[" in part or part.startswith(
+        "function-") or part[:1].isupper()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
+        return validation_error_response(err)
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, err: ValueError) -> JSONResponse:
+        return error_response(400, str(err), field_of(str(err)))
+
+    @app.exception_handler(ModelNotFound)
+    async def _model(_: Request, err: ModelNotFound) -> JSONResponse:
+        return error_response(404, str(err), "model")
+
+    @app.exception_handler(QueueFullError)
+    async def _queue(_: Request, err: QueueFullError) -> JSONResponse:
+        return error_response(429, str(err))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, err: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not available: {err}")
+
+    @app.exception_handler(GenerationFailed)
+    async def _failed(_: Request, err: GenerationFailed) -> JSONResponse:
+        return error_response(500, f"generation failed: {err}")
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, err: ClientGone) -> JSONResponse:
+        return error_response(499, "the client closed the connection")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail))

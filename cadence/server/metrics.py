@@ -1,0 +1,115 @@
+"""``/metrics`` in Prometheus text format; names follow vLLM's with a ``cadence:`` prefix.
+
+Gauges come from the ``SchedulerStats`` that ride on every step's outputs;
+request latencies (TTFT, time per output token, end to end) are measured in
+the front end, where the client's clock runs. Counters get ``_total`` on
+export, as Prometheus wants (``cadence:prompt_tokens_total``).
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cadence.core.outputs import SchedulerStats
+
+prometheus_client.disable_created_metrics()
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class PrometheusStatLogger:
+    """Implements ``cadence.engine.async_llm.StatLogger`` on its own registry."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"cadence:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"cadence:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"cadence:{name}", doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Prefix-cache hits / queries since the server started.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            "cadence:request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Time between output tokens of a request (per step).",
+            _TPOT_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token of a finished request.", _TPOT_BUCKETS)
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS)
+        self._num_queries = 0
+        self._num_hits = 0
+
+    # ---- StatLogger ---------------------------------------------------
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        prefix = stats.prefix_cache_stats
+        queries = prefix.queries + prefix.preempted_queries if prefix is not None else 0
+        if queries:
+            hits = prefix.hits + prefix.preempted_hits
+            self.prefix_cache_queries.inc(queries)
+            self.prefix_cache_hits.inc(hits)
+            self._num_queries += queries
+            self._num_hits += hits
+            self.prefix_cache_hit_rate.set(self._num_hits / self._num_queries)
+
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_tokens(self, num_tokens: int, inter_token_latency_s: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if inter_token_latency_s is not None:
+            self.time_per_output_token.observe(inter_token_latency_s)
+
+    def record_finished(self, e2e_s: float, ttft_s: float | None, finish_reason: str,
+                        num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        self.e2e_latency.observe(e2e_s)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        if ttft_s is not None and num_generation_tokens > 1:
+            self.request_time_per_output_token.observe((e2e_s - ttft_s) / (num_generation_tokens - 1))
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST

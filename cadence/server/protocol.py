@@ -1,0 +1,178 @@
+"""OpenAI request bodies (pydantic) and their mapping to ``SamplingParams``.
+
+Pydantic checks types; ``SamplingParams`` checks values and raises
+``ValueError("field: ...")``, which the server answers with HTTP 400 and
+``"param": field``. Unknown fields are ignored, as OpenAI's server does;
+vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cadence.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        values: dict[str, Any] = dict(
+            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        min_p=self.min_p, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty,
+                        repetition_penalty=self.repetition_penalty)
+        values.update({name: value for name, value in optional.items() if value is not None})
+        return SamplingParams(**values)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported (use n)")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch: strings or token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # one prompt of token ids
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ...
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text":
+                    raise ValueError(f"messages: content parts of type {part.type!r} are not supported")
+            message["content"] = "".join(part.text or "" for part in self.content)
+        return message
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format: type {self.response_format.type!r} is not supported")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except ValueError as err:
+            message = str(err)
+            if message.startswith("logprobs:") and self.logprobs:
+                message = "top_logprobs:" + message[len("logprobs:"):]
+            elif message.startswith("max_tokens:") and self.max_completion_tokens is not None:
+                message = "max_completion_tokens:" + message[len("max_tokens:"):]
+            raise ValueError(message) from None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [message.as_template_input() for message in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
