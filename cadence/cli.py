@@ -20,6 +20,7 @@ from typing import Any
 
 from cadence.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cadence.server.cli import add_bench_serve_parser, add_serve_parser
+from cadence.sim.cli import add_simulate_parser
 
 ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the scheduler benchmark on a small workload")
     demo.set_defaults(func=cmd_demo)
     add_serve_parser(sub)
+    add_simulate_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))
     return parser

@@ -1,0 +1,205 @@
+"""``cadence simulate``: compare scheduling policies on a simulated runner.
+
+    cadence simulate --policy fcfs,priority --num-requests 2000 --rate 40 --out sim-out
+    cadence simulate run --trace trace.jsonl --cost-model calibrated:cal.json
+    cadence simulate --cost-model roofline:h200 --model-config path/to/config.json
+    cadence simulate calibrate --out cal.json          # time the real CPU runner, fit
+
+Scheduler, cache and workload options are generated from their dataclasses
+(``SchedulerConfig``, ``CacheConfig``, ``SyntheticWorkload``). Importing this
+module is cheap; the simulator, numpy, matplotlib and torch load on use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``simulate`` (actions: run, the default, and calibrate)."""
+    sim = subparsers.add_parser(
+        "simulate", help="simulate serving: the real scheduler on a cost-model runner",
+        description=__doc__.split("\n\n")[0], conflict_handler="resolve",
+    )
+    _add_run_options(sim)
+    sim.set_defaults(func=cmd_run)
+    actions = sim.add_subparsers(dest="sim_action", metavar="{run,calibrate}")
+    run = actions.add_parser("run", help="simulate a workload under one or more policies (default)",
+                             conflict_handler="resolve")
+    _add_run_options(run)
+    run.set_defaults(func=cmd_run)
+    calibrate = actions.add_parser("calibrate", help="time the real CPU runner and fit a cost model")
+    _add_calibrate_options(calibrate)
+    calibrate.set_defaults(func=cmd_calibrate)
+    return sim
+
+
+def _config_classes() -> tuple[type, ...]:
+    from cadence.config import CacheConfig, SchedulerConfig
+    from cadence.sim.workload import SyntheticWorkload
+
+    return SchedulerConfig, CacheConfig, SyntheticWorkload
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    from cadence.cli import add_config_options
+
+    add_config_options(parser, _config_classes())
+    # Replaces SchedulerConfig's generated --policy: here it takes a list.
+    parser.add_argument("--policy", dest="policies", default="fcfs",
+                        help="scheduling policies to compare, comma separated (default: fcfs)")
+    parser.add_argument("--trace", metavar="PATH",
+                        help="replay this JSONL trace instead of a synthetic workload")
+    parser.add_argument("--save-trace", metavar="PATH", help="write the workload as a JSONL trace")
+    parser.add_argument("--cost-model", default="roofline:h100",
+                        help="roofline:h100|roofline:h200|roofline:cpu or calibrated:PATH "
+                             "(default: roofline:h100)")
+    parser.add_argument("--model-config", metavar="NAME|PATH",
+                        help="HF config.json (or its folder), or llama-3-8b / smollm2-135m "
+                             "(default: llama-3-8b on GPUs, smollm2-135m on the CPU)")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, metavar="S",
+                        help="goodput SLO on time to first token, seconds (default: 2.0)")
+    parser.add_argument("--slo-tpot", type=float, default=0.2, metavar="S",
+                        help="goodput SLO on time per output token, seconds (default: 0.2)")
+    parser.add_argument("--out", metavar="DIR", help=f"write {SUMMARY_FILE} and PNG plots here")
+
+
+def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="calibration.json", metavar="PATH",
+                        help="where to write the fitted model (default: calibration.json)")
+    parser.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--token-curve", action=argparse.BooleanOptionalAction, default=True,
+                        help="fit step time as a piecewise-linear curve of the token count (default), "
+                             "or a line a + b*tokens")
+    parser.add_argument("--features", default=None,
+                        help="linear terms beside it: seqs, kv_tokens, attn_pairs, and tokens without "
+                             "the curve (default: seqs,kv_tokens; tokens,seqs,kv_tokens without the curve)")
+    parser.add_argument("--quick", action="store_true", help="fewer batch shapes (a quick check)")
+
+
+# ---------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from cadence.cli import engine_options_from_args
+    from cadence.config import EngineOptions
+    from cadence.sim.cost_model import make_cost_model
+    from cadence.sim.metrics import SLO
+    from cadence.sim.simulator import compare_policies
+    from cadence.sim.workload import SyntheticWorkload, read_trace, write_trace
+
+    scheduler_cls, cache_cls, workload_cls = _config_classes()
+    options = EngineOptions.from_kwargs(**engine_options_from_args(args, (scheduler_cls, cache_cls)))
+    if args.trace:
+        specs = read_trace(args.trace)
+        workload: dict[str, Any] = {"trace": args.trace}
+    else:
+        synthetic = SyntheticWorkload(**engine_options_from_args(args, (workload_cls,)))
+        specs = synthetic.generate()
+        workload = {"synthetic": vars_of(synthetic)}
+    if args.save_trace:
+        write_trace(args.save_trace, specs)
+    cost_model = make_cost_model(args.cost_model, args.model_config)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model)
+    slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
+    summaries = {policy: result.summary(slo) for policy, result in results.items()}
+    print(format_table(summaries))
+    if args.out:
+        from cadence.sim.plots import write_plots
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        document = {
+            "workload": workload,
+            "cost_model": cost_model.describe(),
+            "scheduler": vars_of(options.scheduler),
+            "cache": vars_of(_cache_of(cost_model, options.cache)),
+            "policies": summaries,
+        }
+        (out / SUMMARY_FILE).write_text(json.dumps(document, indent=2) + "\n")
+        paths = write_plots({p: r.recorder for p, r in results.items()}, out)
+        print(f"wrote {out / SUMMARY_FILE}, " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _cache_of(cost_model: Any, cache: Any) -> Any:
+    """The cache config as simulated (blocks sized by the cost model when unset)."""
+    import dataclasses
+
+    if cache.num_gpu_blocks is None:
+        cache = dataclasses.replace(cache, num_gpu_blocks=cost_model.num_kv_blocks(cache.block_size))
+    return cache
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+ROWS = (
+    ("output tok/s", ("throughput", "output_tokens_per_s"), "{:.1f}"),
+    ("requests/s", ("throughput", "requests_per_s"), "{:.2f}"),
+    ("goodput req/s", ("goodput", "requests_per_s"), "{:.2f}"),
+    ("SLO met", ("goodput", "fraction"), "{:.1%}"),
+    ("TTFT p50 (s)", ("ttft_s", "p50"), "{:.3f}"),
+    ("TTFT p99 (s)", ("ttft_s", "p99"), "{:.3f}"),
+    ("TPOT p50 (s)", ("tpot_s", "p50"), "{:.4f}"),
+    ("TPOT p99 (s)", ("tpot_s", "p99"), "{:.4f}"),
+    ("ITL p99 (s)", ("itl_s", "p99"), "{:.4f}"),
+    ("E2E p50 (s)", ("e2e_s", "p50"), "{:.3f}"),
+    ("preemptions", ("preemptions",), "{}"),
+    ("prefix hit rate", ("prefix_hit_rate",), "{:.1%}"),
+    ("finished", ("num_finished",), "{}"),
+    ("rejected", ("num_rejected",), "{}"),
+    ("simulated s", ("clock_s",), "{:.1f}"),
+    ("wall s", ("sim_wall_s",), "{:.2f}"),
+)
+
+
+def format_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Metrics as rows, one column per policy."""
+    labels = list(summaries)
+    cells = [["metric", *labels]]
+    for name, path, fmt in ROWS:
+        row = [name]
+        for label in labels:
+            value: Any = summaries[label]
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            row.append("-" if value is None else fmt.format(value))
+        cells.append(row)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- calibrate
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from cadence.sim.calibrate import CURVE_FEATURES, build_default_engine, calibrate, default_scenarios
+    from cadence.sim.cost_model import DEFAULT_FEATURES, DEFAULT_TOKEN_KNOTS
+
+    if args.features is None:
+        features = list(CURVE_FEATURES if args.token_curve else DEFAULT_FEATURES)
+    else:
+        features = [f.strip() for f in args.features.split(",") if f.strip()]
+    engine = build_default_engine(dtype=args.dtype, num_threads=args.num_threads, model=args.model)
+    model = calibrate(engine, scenarios=default_scenarios(args.quick), features=features,
+                      token_knots=DEFAULT_TOKEN_KNOTS if args.token_curve else None,
+                      log=lambda line: print(line, file=sys.stderr))
+    model.save(args.out)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,199 @@
+"""Serving metrics from a timeline of step outputs.
+
+``MetricsRecorder`` is fed by whatever drives the engine (the virtual-clock
+simulator or a wall-clock replay on the real model), identically:
+
+    on_arrival(index, req_id, time)        when a request is added
+    on_reject(index)                       when its prompt does not fit the context
+    on_step(time, outputs)                 after a step, at the time its tokens exist
+    on_queues(time, running, waiting, kv)  the scheduler's state after the step
+
+Per request (times in seconds from the run's start):
+
+    TTFT = first token - arrival          E2E = last token - arrival
+    TPOT = (last token - first token) / (output tokens - 1)
+    ITL  = gap between consecutive tokens of one request (all gaps, pooled)
+
+Throughput is output tokens over the makespan (first arrival to last
+token); goodput counts only requests meeting both SLOs.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from cadence.core.outputs import EngineCoreOutputs
+from cadence.sim.workload import RequestSpec
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class Timeline:
+    """The scheduler's state after each step."""
+
+    time: array = field(default_factory=lambda: array("d"))
+    running: array = field(default_factory=lambda: array("l"))
+    waiting: array = field(default_factory=lambda: array("l"))
+    kv_usage: array = field(default_factory=lambda: array("d"))
+
+
+class MetricsRecorder:
+    """Token times per request, gathered as the outputs arrive."""
+
+    def __init__(self, specs: Sequence[RequestSpec]) -> None:
+        n = len(specs)
+        self.specs = specs
+        self.arrival = [s.arrival_time for s in specs]
+        self.first_token = [float("nan")] * n
+        self.last_token = [float("nan")] * n
+        self.num_output = [0] * n
+        self.num_cached = [0] * n
+        self.finished = [False] * n
+        self.rejected = [False] * n  # prompt longer than the context: never added
+        self.itl = array("d")
+        self.timeline = Timeline()
+        # req_id -> index, for requests still running.
+        self._live: dict[str, int] = {}
+
+    def on_arrival(self, index: int, req_id: str, time: float) -> None:
+        self.arrival[index] = time
+        self._live[req_id] = index
+
+    def on_reject(self, index: int) -> None:
+        self.rejected[index] = True
+
+    def on_step(self, time: float, outputs: dict[int, EngineCoreOutputs]) -> None:
+        live, first, last, num_output = self._live, self.first_token, self.last_token, self.num_output
+        itl_append = self.itl.append
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                i = live[out.request_id]
+                num_new = len(out.new_token_ids)
+                if num_new:
+                    if num_output[i]:
+                        itl_append(time - last[i])
+                    else:
+                        first[i] = time
+                        self.num_cached[i] = out.num_cached_tokens
+                    if num_new > 1:  # several tokens in one step (drafts accepted)
+                        self.itl.extend([0.0] * (num_new - 1))
+                    last[i] = time
+                    num_output[i] += num_new
+                if out.finish_reason is not None:
+                    self.finished[i] = True
+                    del live[out.request_id]
+
+    def on_queues(self, time: float, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        timeline = self.timeline
+        timeline.time.append(time)
+        timeline.running.append(num_running)
+        timeline.waiting.append(num_waiting)
+        timeline.kv_usage.append(kv_usage)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives a request must meet to count in goodput."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.2
+
+
+def distribution(values: Iterable[float]) -> dict[str, float | int]:
+    """Count, mean, p50/p90/p95/p99 and max (linear-interpolated percentiles)."""
+    import numpy as np
+
+    a = np.asarray(values if isinstance(values, array) else list(values), dtype=float)
+    a = a[~np.isnan(a)]
+    if a.size == 0:
+        return {"count": 0}
+    result: dict[str, float | int] = {"count": int(a.size), "mean": float(a.mean())}
+    for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES)):
+        result[f"p{p}"] = float(v)
+    result["max"] = float(a.max())
+    return result
+
+
+def summarize(recorder: MetricsRecorder, slo: SLO = SLO(), num_preemptions: int | None = None) -> dict[str, Any]:
+    """The JSON summary of one run."""
+    import numpy as np
+
+    specs = recorder.specs
+    arrival = np.asarray(recorder.arrival)
+    first = np.asarray(recorder.first_token)
+    last = np.asarray(recorder.last_token)
+    num_output = np.asarray(recorder.num_output)
+    finished = np.asarray(recorder.finished, dtype=bool)
+    rejected = np.asarray(recorder.rejected, dtype=bool)
+    prompt = np.asarray([s.prompt_tokens for s in specs])
+    ttft = first - arrival
+    e2e = last - arrival
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(num_output > 1, (last - first) / (num_output - 1), np.nan)
+    makespan = float(np.nanmax(last) - arrival.min()) if finished.any() else 0.0
+    good = finished & (ttft <= slo.ttft_s) & ~(tpot > slo.tpot_s)  # a 1-token request has no TPOT
+    total_output = int(num_output.sum())
+    summary: dict[str, Any] = {
+        "num_requests": len(specs),
+        "num_finished": int(finished.sum()),
+        "num_rejected": int(sum(recorder.rejected)),
+        "makespan_s": makespan,
+        "throughput": {
+            "output_tokens_per_s": total_output / makespan if makespan else 0.0,
+            "total_tokens_per_s": (total_output + int(prompt[finished].sum())) / makespan if makespan else 0.0,
+            "requests_per_s": int(finished.sum()) / makespan if makespan else 0.0,
+        },
+        "goodput": {
+            "slo_ttft_s": slo.ttft_s,
+            "slo_tpot_s": slo.tpot_s,
+            "requests_per_s": int(good.sum()) / makespan if makespan else 0.0,
+            "fraction": float(good.mean()),
+        },
+        "ttft_s": distribution(ttft),
+        "tpot_s": distribution(tpot),
+        "itl_s": distribution(recorder.itl),
+        "e2e_s": distribution(e2e),
+        "output_tokens": total_output,
+        "prompt_tokens": int(prompt.sum()),
+        "prefix_hit_rate": float(sum(recorder.num_cached) / max(int(prompt[~rejected].sum()), 1)),
+    }
+    per_group = (ttft, tpot, e2e, num_output, good, makespan)
+    summary["per_client"] = _per_group([s.client for s in specs], *per_group)
+    summary["per_priority"] = _per_group([s.priority for s in specs], *per_group)
+    if num_preemptions is not None:
+        summary["preemptions"] = num_preemptions
+    return summary
+
+
+def _per_group(keys: list[int], ttft, tpot, e2e, num_output, good, makespan) -> dict[str, Any]:
+    """Service received by each client (or priority class)."""
+    import numpy as np
+
+    keys = np.asarray(keys)
+    total = max(int(num_output.sum()), 1)
+    result = {}
+    for key in np.unique(keys):
+        mask = keys == key
+        tokens = int(num_output[mask].sum())
+        result[str(int(key))] = {
+            "num_requests": int(mask.sum()),
+            "output_tokens": tokens,
+            "output_tokens_per_s": tokens / makespan if makespan else 0.0,
+            "token_share": tokens / total,
+            "ttft_p50_s": _nanpercentile(ttft[mask], 50),
+            "ttft_p99_s": _nanpercentile(ttft[mask], 99),
+            "tpot_p50_s": _nanpercentile(tpot[mask], 50),
+            "e2e_p50_s": _nanpercentile(e2e[mask], 50),
+            "slo_fraction": float(good[mask].mean()),
+        }
+    return result
+
+
+def _nanpercentile(values, q: float) -> float | None:
+    import numpy as np
+
+    values = values[~np.isnan(values)]
+    return float(np.percentile(values, q)) if values.size else None

@@ -1,0 +1,76 @@
+"""PNG plots of simulated runs, one line per run (policy): matplotlib, Agg backend.
+
+    ttft_cdf.png   the CDF of time to first token
+    queues.png     running and waiting requests over time
+    kv_usage.png   KV-cache block usage over time
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+from cadence.sim.metrics import MetricsRecorder, Timeline
+
+MAX_POINTS = 4000  # per line: a long run is thinned to this many steps
+
+
+def write_plots(recorders: Mapping[str, MetricsRecorder], out_dir: str | Path) -> list[Path]:
+    """Write the three plots for ``{label: recorder}``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [
+        _ttft_cdf(plt, recorders, out_dir / "ttft_cdf.png"),
+        _over_time(plt, recorders, out_dir / "queues.png", ("running", "waiting"), "requests"),
+        _over_time(plt, recorders, out_dir / "kv_usage.png", ("kv_usage",), "KV blocks in use (fraction)"),
+    ]
+    return paths
+
+
+def _ttft_cdf(plt, recorders: Mapping[str, MetricsRecorder], path: Path) -> Path:
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, recorder in recorders.items():
+        ttft = np.asarray(recorder.first_token) - np.asarray(recorder.arrival)
+        ttft = np.sort(ttft[~np.isnan(ttft)])
+        if ttft.size:
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label)
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)
+
+
+def _over_time(plt, recorders: Mapping[str, MetricsRecorder], path: Path, series: tuple[str, ...],
+               ylabel: str) -> Path:
+    fig, axes = plt.subplots(len(series), 1, figsize=(8, 3 * len(series)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], series):
+        for label, recorder in recorders.items():
+            times, values = _thinned(recorder.timeline, name)
+            ax.step(times, values, where="post", label=label, linewidth=0.9)
+        ax.set_ylabel(f"{name} {ylabel}" if len(series) > 1 else ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1, 0].set_xlabel("time (s)")
+    return _save(plt, fig, path)
+
+
+def _thinned(timeline: Timeline, name: str) -> tuple[list[float], list[float]]:
+    times, values = timeline.time, getattr(timeline, name)
+    stride = max(1, len(times) // MAX_POINTS)
+    return list(times[::stride]), list(values[::stride])
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

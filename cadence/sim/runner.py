@@ -1,0 +1,74 @@
+"""``SimRunner``: the model runner's interface, a cost model instead of a model.
+
+It keeps what a real runner keeps per request that matters here, the number
+of known tokens (prompt + sampled), so it knows which scheduled requests
+sample: the ones whose computed tokens reach the end of their known tokens
+(a prefill chunk short of the prompt's end samples nothing, as on a model).
+
+Each sampled token is ``FILLER_TOKEN_ID``. Output lengths come from the
+requests themselves: the simulator sends ``max_tokens = target`` with
+``ignore_eos``, so the real scheduler's stop check ends each request at its
+target. The step's duration is ``cost_model.step_seconds(step_shape)``,
+left in ``last_step_seconds`` for the loop's virtual clock.
+"""
+
+from __future__ import annotations
+
+from cadence.core.outputs import ModelRunnerOutput
+from cadence.core.sched.output import SchedulerOutput
+from cadence.sim.cost_model import CostModel, StepShape
+
+FILLER_TOKEN_ID = 0
+
+
+class SimRunner:
+    """Charges each step's cost; "samples" one filler token per finished row."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+        # req_id -> known tokens (prompt + sampled), kept across preemption.
+        self._num_tokens: dict[str, int] = {}
+        self.last_step_seconds = 0.0
+        self.last_shape = StepShape(0, 0, 0, 0)
+        self.last_num_preempted = 0
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        num_tokens = self._num_tokens
+        for req_id in scheduler_output.finished_req_ids:
+            num_tokens.pop(req_id, None)
+        new_reqs = scheduler_output.scheduled_new_reqs
+        cached = scheduler_output.scheduled_cached_reqs
+        # Every scheduled request, and the tokens it had computed before this step.
+        req_ids = [r.req_id for r in new_reqs] + cached.req_ids
+        computed = [r.num_computed_tokens for r in new_reqs] + cached.num_computed_tokens
+        for new_req in new_reqs:
+            num_tokens[new_req.req_id] = len(new_req.prompt_token_ids) + len(new_req.output_token_ids)
+        # One pass: sample where the computed tokens reach the known ones (with
+        # drafts scheduled, all are rejected: one token, the scheduler rolls
+        # back), and count the attention pairs beyond a decode's c + 1.
+        scheduled = scheduler_output.num_scheduled_tokens
+        sampled = []
+        extra_pairs = 0
+        for req_id, c in zip(req_ids, computed):
+            q = scheduled[req_id]
+            if q != 1:
+                extra_pairs += q * c + (q * (q + 1) >> 1) - c - 1
+            known = num_tokens[req_id]
+            if c + q >= known:
+                num_tokens[req_id] = known + 1
+                sampled.append([FILLER_TOKEN_ID])
+            else:
+                sampled.append([])  # a prefill chunk short of the prompt's end
+        # The same shape as cost_model.step_shape (a test keeps them equal).
+        total = scheduler_output.total_num_scheduled_tokens
+        num_computed = sum(computed)
+        num_reqs = len(req_ids)
+        shape = StepShape(total, num_reqs, num_computed + total, num_computed + num_reqs + extra_pairs)
+        self.last_shape = shape
+        self.last_step_seconds = self.cost_model.step_seconds(shape)
+        self.last_num_preempted = len(scheduler_output.preempted_req_ids)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=dict(zip(req_ids, range(num_reqs))),
+            sampled_token_ids=sampled,
+        )

@@ -1,0 +1,291 @@
+"""The engine loop on a virtual clock, and the same loop on the wall clock.
+
+The simulator runs the real ``Scheduler`` inside the real ``EngineCore``;
+only the runner is simulated (``SimRunner``). One loop drives both a
+simulation and a real-time replay on the real model (on the wall clock, or
+on this process's CPU clock), so both measure alike:
+
+    while requests are pending or the engine has work:
+        add every request whose arrival time has come
+        if the engine is idle: wait for (jump to) the next arrival
+        outputs = core.step()               # schedule -> execute -> update
+        now = clock after the step          # virtual: += the step's cost
+        record outputs at `now`             # tokens exist when the step ends
+
+A request arriving while a step runs is added after that step, as in a
+real engine loop; its TTFT counts from its arrival time all the same.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from cadence.config import CacheConfig, SchedulerConfig
+from cadence.core.request import Request
+from cadence.core.sched.scheduler import Scheduler
+from cadence.engine.core import EngineCore
+from cadence.sampling_params import SamplingParams
+from cadence.sim.cost_model import CostModel
+from cadence.sim.metrics import SLO, MetricsRecorder, summarize
+from cadence.sim.runner import SimRunner
+from cadence.sim.workload import PromptMaker, RequestSpec
+
+
+class SimulationStalled(RuntimeError):
+    """Requests are left that the scheduler will never schedule (e.g. too few KV blocks)."""
+
+
+class RequestFactory:
+    """Core requests from specs: exactly ``output_tokens`` tokens each (EOS ignored)."""
+
+    def __init__(self, prompt_maker: PromptMaker, max_model_len: int, eos_token_id: int | None = None) -> None:
+        self.prompt_maker = prompt_maker
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self._params: dict[int, SamplingParams] = {}  # one per output length
+
+    def fits(self, spec: RequestSpec) -> bool:
+        return spec.prompt_tokens < self.max_model_len
+
+    def make(self, index: int, spec: RequestSpec) -> Request:
+        params = self._params.get(spec.output_tokens)
+        if params is None:
+            params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, temperature=0.0)
+            self._params[spec.output_tokens] = params
+        return Request(
+            str(index), self.prompt_maker.make(index, spec), params,
+            eos_token_id=self.eos_token_id, arrival_time=spec.arrival_time,
+            priority=spec.priority, client_index=spec.client, max_model_len=self.max_model_len,
+        )
+
+
+# ---------------------------------------------------------------- clocks
+
+
+class VirtualClock:
+    """Advances by the simulated runner's cost of each step."""
+
+    def __init__(self, runner: SimRunner) -> None:
+        self.runner = runner
+        self.now = 0.0
+        self.busy_seconds = 0.0
+
+    def read(self) -> float:
+        return self.now
+
+    def after_step(self) -> float:
+        cost = self.runner.last_step_seconds
+        self.busy_seconds += cost
+        self.now += cost
+        return self.now
+
+    def wait_until(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+    def check_progress(self, core: EngineCore) -> bool:
+        """False when a step did nothing and nothing will change without an arrival."""
+        runner = self.runner
+        return bool(runner.last_shape.num_tokens or runner.last_num_preempted
+                    or not core.scheduler.has_unfinished_requests())
+
+
+class WallClock:
+    """Real seconds since the start; idle time is slept through."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def read(self) -> float:
+        return time.perf_counter() - self._start
+
+    def after_step(self) -> float:
+        return self.read()
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.read()
+        if delay > 0:
+            time.sleep(delay)
+
+    def check_progress(self, core: EngineCore) -> bool:
+        return True
+
+
+class CpuClock:
+    """This process's CPU seconds, plus the idle gaps jumped over.
+
+    On a shared machine the wall clock also measures other people's jobs;
+    CPU time is what the steps would take on a core of their own (with one
+    torch thread; memory-bandwidth contention still shows). Idle time jumps
+    to the next arrival, as in the simulator, instead of sleeping.
+    """
+
+    def __init__(self) -> None:
+        self._start = time.process_time()
+        self._idle = 0.0
+
+    def read(self) -> float:
+        return time.process_time() - self._start + self._idle
+
+    def after_step(self) -> float:
+        return self.read()
+
+    def wait_until(self, t: float) -> None:
+        self._idle += max(0.0, t - self.read())
+
+    def check_progress(self, core: EngineCore) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def drive(
+    core: EngineCore,
+    specs: Sequence[RequestSpec],
+    factory: RequestFactory,
+    clock: VirtualClock | WallClock | CpuClock,
+    recorder: MetricsRecorder,
+    on_step: Callable[[], None] | None = None,
+) -> int:
+    """Replay ``specs`` through ``core`` on ``clock``; returns the number of steps."""
+    scheduler = core.scheduler
+    kv_manager = getattr(scheduler, "kv_cache_manager", None)
+    pending = deque(sorted(range(len(specs)), key=lambda i: specs[i].arrival_time))
+    num_steps = 0
+    while pending or core.has_work():
+        now = clock.read()
+        while pending and specs[pending[0]].arrival_time <= now:
+            _inject(core, specs, pending.popleft(), factory, recorder)
+        if not core.has_work():
+            if pending:
+                clock.wait_until(specs[pending[0]].arrival_time)
+            continue
+        outputs = core.step()
+        num_steps += 1
+        now = clock.after_step()
+        if outputs:
+            recorder.on_step(now, outputs)
+        num_running, num_waiting = scheduler.get_request_counts()
+        recorder.on_queues(now, num_running, num_waiting, kv_manager.usage if kv_manager else 0.0)
+        if on_step is not None:
+            on_step()
+        if not clock.check_progress(core):
+            if not pending:
+                raise SimulationStalled(
+                    f"{scheduler.get_num_unfinished_requests()} requests can never be scheduled "
+                    "(a prompt needs more KV blocks than the cache has?)"
+                )
+            clock.wait_until(specs[pending[0]].arrival_time)
+    return num_steps
+
+
+def _inject(core, specs, index, factory, recorder) -> None:
+    spec = specs[index]
+    if not factory.fits(spec):
+        recorder.on_reject(index)
+        return
+    request = factory.make(index, spec)
+    recorder.on_arrival(index, request.request_id, spec.arrival_time)
+    core.add_request(request)
+
+
+# ---------------------------------------------------------------- simulation
+
+
+@dataclass
+class SimResult:
+    """One simulated run: the metrics recorder and the engine's counters."""
+
+    label: str
+    recorder: MetricsRecorder
+    num_steps: int
+    num_preemptions: int
+    clock_s: float
+    busy_s: float
+    wall_s: float
+
+    def summary(self, slo: SLO = SLO()) -> dict[str, Any]:
+        result = summarize(self.recorder, slo, self.num_preemptions)
+        result.update(
+            label=self.label, num_steps=self.num_steps, clock_s=self.clock_s,
+            busy_s=self.busy_s, sim_wall_s=self.wall_s,
+        )
+        return result
+
+
+@contextmanager
+def _gc_paused():
+    """No cyclic GC during a run: the loop allocates millions of short-lived,
+    acyclic objects, and each full collection walks every live request."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class Simulator:
+    """A real scheduler and engine core on a simulated runner and a virtual clock."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        cost_model: CostModel,
+        *,
+        prompt_maker: PromptMaker | None = None,
+    ) -> None:
+        if cache_config.num_gpu_blocks is None:
+            if cache_config.kv_cache_memory is not None:
+                raise ValueError("kv_cache_memory: the simulator sizes the cache in blocks; give num_gpu_blocks")
+            num_blocks = cost_model.num_kv_blocks(cache_config.block_size)
+            if num_blocks is None:
+                raise ValueError("num_gpu_blocks: the cost model does not size the KV cache; give it")
+            cache_config = replace(cache_config, num_gpu_blocks=num_blocks)
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.runner = SimRunner(cost_model)
+        self.core = EngineCore(self.scheduler, self.runner)
+        self.clock = VirtualClock(self.runner)
+        self.factory = RequestFactory(prompt_maker or PromptMaker(), scheduler_config.max_model_len)
+
+    def run(self, specs: Sequence[RequestSpec], label: str | None = None) -> SimResult:
+        recorder = MetricsRecorder(specs)
+        start = time.perf_counter()
+        with _gc_paused():
+            num_steps = drive(self.core, specs, self.factory, self.clock, recorder)
+        return SimResult(
+            label=label or self.scheduler_config.policy,
+            recorder=recorder,
+            num_steps=num_steps,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            clock_s=self.clock.now,
+            busy_s=self.clock.busy_seconds,
+            wall_s=time.perf_counter() - start,
+        )
+
+
+def compare_policies(
+    specs: Sequence[RequestSpec],
+    policies: Sequence[str],
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    cost_model: CostModel,
+    *,
+    prompt_maker_factory: Callable[[], PromptMaker] = PromptMaker,
+) -> dict[str, SimResult]:
+    """The same specs (and so the same prompts) simulated under each policy."""
+    results = {}
+    for policy in policies:
+        config = replace(scheduler_config, policy=policy)
+        simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory())
+        results[policy] = simulator.run(specs, label=policy)
+    return results

@@ -1,0 +1,247 @@
+"""Workloads: what arrives when, as ``RequestSpec`` rows.
+
+A spec holds lengths, not tokens. Prompt token ids are made when a request
+is injected (``PromptMaker``), so 100,000 queued specs cost little memory:
+
+    prompt = group prefix (shared by every request of its prefix group)
+           + this request's own tokens
+
+Two sources:
+
+- ``SyntheticWorkload``: Poisson or gamma arrivals at a mean rate, prompt and
+  output lengths from a distribution string (``fixed:N``, ``uniform:LO:HI``,
+  ``lognormal:MEAN:CV``, ``exponential:MEAN``), a share of requests in
+  shared-prefix groups, priorities, client ids; seeded.
+- JSONL traces, one request per line: ``arrival_time, prompt_tokens,
+  output_tokens`` and optionally ``prefix_group, prefix_tokens, priority,
+  client`` (``prefix_tokens`` defaults to half the prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+from cadence.config import option
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request of a workload: when it arrives and how long it is."""
+
+    arrival_time: float
+    prompt_tokens: int
+    output_tokens: int
+    prefix_group: int | None = None
+    prefix_tokens: int = 0  # leading prompt tokens shared with its group
+    priority: int = 0
+    client: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("prompt_tokens and output_tokens: must be >= 1")
+        if not 0 <= self.prefix_tokens <= self.prompt_tokens:
+            raise ValueError("prefix_tokens: must be in [0, prompt_tokens]")
+
+
+# ---------------------------------------------------------------- synthetic
+
+ARRIVALS = ("poisson", "gamma")
+
+
+@dataclass(frozen=True)
+class SyntheticWorkload:
+    """A seeded random workload (the CLI's workload options come from here)."""
+
+    num_requests: int = option(1000, "Requests in the workload.")
+    rate: float = option(10.0, "Mean arrival rate, requests/s (0: all at time 0).")
+    arrival: str = option("poisson", "Inter-arrival times: poisson, or gamma (see burstiness).")
+    burstiness: float = option(1.0, "Gamma shape of inter-arrival times: < 1 bursty, 1 Poisson.")
+    prompt_len: str = option("lognormal:512:1.0", "Prompt tokens: fixed:N, uniform:LO:HI, lognormal:MEAN:CV, exponential:MEAN.")
+    output_len: str = option("lognormal:128:1.0", "Output tokens, same forms as prompt_len.")
+    max_len: int = option(4096, "Cap on sampled prompt and output lengths.")
+    prefix_groups: int = option(0, "Shared-prefix groups (0: none).")
+    prefix_fraction: float = option(0.5, "Share of requests that belong to a prefix group.")
+    prefix_tokens: int = option(256, "Shared prefix length of a group (cut to the prompt).")
+    priorities: str = option("0", "Priority values, drawn uniformly, comma separated.")
+    num_clients: int = option(1, "Client ids 0..N-1, drawn uniformly.")
+    seed: int = option(0, "Random seed.")
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError("num_requests: must be >= 1")
+        if self.rate < 0:
+            raise ValueError("rate: must be >= 0")
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"arrival: must be one of {ARRIVALS}")
+        if self.burstiness <= 0:
+            raise ValueError("burstiness: must be > 0")
+        if not 0 <= self.prefix_fraction <= 1:
+            raise ValueError("prefix_fraction: must be in [0, 1]")
+        parse_length_dist(self.prompt_len)
+        parse_length_dist(self.output_len)
+
+    def generate(self) -> list[RequestSpec]:
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        n = self.num_requests
+        arrivals = self._arrival_times(rng)
+        prompts = sample_lengths(self.prompt_len, n, rng, self.max_len)
+        outputs = sample_lengths(self.output_len, n, rng, self.max_len)
+        in_group = rng.random(n) < self.prefix_fraction if self.prefix_groups else np.zeros(n, bool)
+        groups = rng.integers(0, max(self.prefix_groups, 1), n)
+        priority_values = [int(p) for p in self.priorities.split(",")]
+        priorities = rng.choice(priority_values, n)
+        clients = rng.integers(0, self.num_clients, n)
+        specs = []
+        for i in range(n):
+            prompt = int(prompts[i])
+            grouped = bool(in_group[i])
+            specs.append(RequestSpec(
+                arrival_time=float(arrivals[i]),
+                prompt_tokens=prompt,
+                output_tokens=int(outputs[i]),
+                prefix_group=int(groups[i]) if grouped else None,
+                prefix_tokens=min(self.prefix_tokens, prompt) if grouped else 0,
+                priority=int(priorities[i]),
+                client=int(clients[i]),
+            ))
+        return specs
+
+    def _arrival_times(self, rng):
+        import numpy as np
+
+        n = self.num_requests
+        if self.rate == 0:
+            return np.zeros(n)
+        mean_gap = 1.0 / self.rate
+        if self.arrival == "poisson":
+            gaps = rng.exponential(mean_gap, n)
+        else:  # gamma with mean 1/rate: shape k, scale 1/(k * rate)
+            gaps = rng.gamma(self.burstiness, mean_gap / self.burstiness, n)
+        gaps[0] = 0.0  # the first request opens the run
+        return np.cumsum(gaps)
+
+
+def parse_length_dist(spec: str) -> tuple[str, list[float]]:
+    kind, *args = spec.split(":")
+    expected = {"fixed": 1, "uniform": 2, "lognormal": 2, "exponential": 1}
+    if kind not in expected or len(args) != expected[kind]:
+        raise ValueError(
+            f"length distribution {spec!r}: expected fixed:N, uniform:LO:HI, lognormal:MEAN:CV or exponential:MEAN"
+        )
+    try:
+        values = [float(a) for a in args]
+    except ValueError:
+        raise ValueError(f"length distribution {spec!r}: parameters must be numbers") from None
+    return kind, values
+
+
+def sample_lengths(spec: str, n: int, rng, max_len: int):
+    """``n`` integer lengths in [1, max_len] from a distribution string."""
+    import numpy as np
+
+    kind, args = parse_length_dist(spec)
+    if kind == "fixed":
+        values = np.full(n, args[0])
+    elif kind == "uniform":
+        values = rng.integers(int(args[0]), int(args[1]) + 1, n)
+    elif kind == "exponential":
+        values = rng.exponential(args[0], n)
+    else:  # lognormal with the given mean and coefficient of variation
+        mean, cv = args
+        sigma2 = np.log1p(cv * cv)
+        values = rng.lognormal(np.log(mean) - sigma2 / 2, np.sqrt(sigma2), n)
+    return np.clip(np.rint(values), 1, max_len).astype(np.int64)
+
+
+# ---------------------------------------------------------------- traces
+
+_REQUIRED = ("arrival_time", "prompt_tokens", "output_tokens")
+
+
+def read_trace(path: str | Path) -> list[RequestSpec]:
+    """Specs from a JSONL trace, sorted by arrival time."""
+    specs = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            specs.append(_spec_from_row(json.loads(line), f"{path}:{line_no}"))
+    specs.sort(key=lambda s: s.arrival_time)
+    return specs
+
+
+def _spec_from_row(row: dict, where: str) -> RequestSpec:
+    missing = [k for k in _REQUIRED if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    group = row.get("prefix_group")
+    prompt = int(row["prompt_tokens"])
+    prefix = row.get("prefix_tokens")
+    if prefix is None:
+        prefix = prompt // 2 if group is not None else 0
+    return RequestSpec(
+        arrival_time=float(row["arrival_time"]),
+        prompt_tokens=prompt,
+        output_tokens=int(row["output_tokens"]),
+        prefix_group=None if group is None else int(group),
+        prefix_tokens=int(prefix),
+        priority=int(row.get("priority", 0)),
+        client=int(row.get("client", 0)),
+    )
+
+
+def write_trace(path: str | Path, specs: Iterable[RequestSpec]) -> None:
+    """One JSON object per line; optional fields only where they say something."""
+    with open(path, "w") as f:
+        for spec in specs:
+            row = asdict(spec)
+            if spec.prefix_group is None:
+                del row["prefix_group"], row["prefix_tokens"]
+            f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------- prompt tokens
+
+
+class PromptMaker:
+    """Prompt token ids for specs: a group's requests share their leading tokens.
+
+    Without ``vocab_size`` (pure simulation) ids are consecutive integers from a
+    per-request range, which is fast and never collides across requests. With
+    it (a real model) ids are random in [``low``, vocab_size), seeded per
+    request and per group, so two runs of one trace get the same prompts.
+    """
+
+    def __init__(self, vocab_size: int | None = None, *, low: int = 100, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.low = low
+        self.seed = seed
+        self._group_prefixes: dict[int, list[int]] = {}
+
+    def make(self, index: int, spec: RequestSpec) -> list[int]:
+        num_own = spec.prompt_tokens - spec.prefix_tokens
+        own = self._tokens(("req", index), num_own, start=(index + 1) << 24)
+        if not spec.prefix_tokens:
+            return own
+        return self._group_prefix(spec.prefix_group, spec.prefix_tokens) + own
+
+    def _group_prefix(self, group: int, length: int) -> list[int]:
+        prefix = self._group_prefixes.get(group)
+        if prefix is None or len(prefix) < length:
+            # Group ranges sit below zero, apart from the per-request ones.
+            prefix = self._tokens(("group", group), max(length, 2 * len(prefix or ())),
+                                  start=-((group + 1) << 24))
+            self._group_prefixes[group] = prefix
+        return prefix[:length]
+
+    def _tokens(self, key: tuple, n: int, start: int) -> list[int]:
+        if self.vocab_size is None:
+            return list(range(start, start + n))
+        rng = random.Random(f"{self.seed}/{key[0]}/{key[1]}")
+        return [rng.randrange(self.low, self.vocab_size) for _ in range(n)]

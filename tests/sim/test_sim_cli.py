@@ -1,0 +1,52 @@
+"""``cadence simulate`` through its own parser (the lead wires it into cadence.cli)."""
+
+import argparse
+import json
+
+import pytest
+
+from cadence.sim.cli import add_simulate_parser
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="cadence")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_run_is_the_default_action_and_compares_policies(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = parse(["simulate", "--policy", "fcfs,priority", "--num-requests", "120", "--rate", "50",
+                  "--priorities", "0,1", "--num-clients", "2", "--prefix-groups", "2",
+                  "--max-num-seqs", "16", "--out", str(out), "--save-trace", str(tmp_path / "t.jsonl")])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "fcfs" in table and "priority" in table and "TTFT p50" in table
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["policies"]) == {"fcfs", "priority"}
+    assert summary["cost_model"]["name"] == "roofline:h100"
+    assert summary["scheduler"]["max_num_seqs"] == 16
+    for name in ("ttft_cdf.png", "queues.png", "kv_usage.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    # The saved trace replays to the same figures.
+    args = parse(["simulate", "run", "--trace", str(tmp_path / "t.jsonl"), "--policy", "fcfs",
+                  "--max-num-seqs", "16", "--out", str(tmp_path / "again")])
+    assert args.func(args) == 0
+    again = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert again["policies"]["fcfs"]["ttft_s"] == summary["policies"]["fcfs"]["ttft_s"]
+
+
+def test_cost_model_and_model_config_options(capsys):
+    args = parse(["simulate", "--cost-model", "roofline:cpu", "--model-config", "smollm2-135m",
+                  "--num-requests", "20", "--rate", "1", "--prompt-len", "fixed:64", "--output-len", "fixed:8"])
+    assert args.func(args) == 0
+    assert "output tok/s" in capsys.readouterr().out
+    args = parse(["simulate", "--cost-model", "roofline:tpu"])
+    with pytest.raises(ValueError, match="cost_model"):
+        args.func(args)
+
+
+def test_calibrate_action_parses():
+    args = parse(["simulate", "calibrate", "--out", "x.json", "--dtype", "float32", "--quick"])
+    assert args.sim_action == "calibrate" and args.out == "x.json" and args.quick
+    assert args.func.__name__ == "cmd_calibrate"
