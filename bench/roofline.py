@@ -1,0 +1,135 @@
+"""The machine's roofline for a whole generation workload.
+
+Two measurements of the machine, with the threads the workload uses:
+
+- memory bandwidth: the best of a large tensor copy (bytes read + written)
+  and a large reduction (bytes read);
+- matmul throughput: a large square GEMM, per dtype.
+
+Two costs of the workload, from the model's shape (``ModelConfig``):
+
+- FLOPs: 2 x the matmul weights for every token the model runs (the
+  vocabulary projection only where a token is sampled), plus attention
+  (QK^T and PV: 4 x Hq x D per query per key, per layer);
+- bytes: every forward step reads all weights once (the whole batch shares
+  the step) plus the KV cache of every sequence in it.
+
+The workload's bound in output tokens/s is the lesser of the two:
+
+    compute-bound = output tokens / (FLOPs / matmul FLOP/s)
+    memory-bound  = output tokens / (bytes / bandwidth)
+
+Both assume one prefill step for all prompts, then one decode step per
+further token with every sequence in it, which is how a batch of equal
+``max_tokens`` runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cadence.models.config import ModelConfig
+
+BANDWIDTH_BYTES = 512 * 2**20  # per buffer: far beyond any cache
+GEMM_SIZE = 4096
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> dict[str, float]:
+    """GB/s of a tensor copy (read + write counted) and of a sum (read only)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
+    read_s = _best_seconds(lambda: src.sum(), repeats)
+    copy_gbs = 2 * num_bytes / copy_s / 1e9
+    read_gbs = num_bytes / read_s / 1e9
+    return {"copy_gbs": copy_gbs, "read_gbs": read_gbs, "bandwidth_gbs": max(copy_gbs, read_gbs)}
+
+
+def measure_gemm(dtype: torch.dtype, size: int = GEMM_SIZE, repeats: int = 3) -> float:
+    """GFLOP/s of a ``size``-square matmul in ``dtype``."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
+    return 2 * size**3 / seconds / 1e9
+
+
+# ---------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class WorkloadCost:
+    """FLOPs and bytes of one whole run, and the output tokens it makes."""
+
+    flops: float
+    bytes: float
+    num_output_tokens: int
+    weight_bytes_per_step: float
+    kv_bytes_read: float
+
+    def bound(self, gflops: float, bandwidth_gbs: float) -> dict[str, float]:
+        """Output tokens/s if compute alone, or memory alone, set the pace; and the lesser."""
+        compute = self.num_output_tokens / (self.flops / (gflops * 1e9))
+        memory = self.num_output_tokens / (self.bytes / (bandwidth_gbs * 1e9))
+        return {"compute_tok_s": compute, "memory_tok_s": memory, "roofline_tok_s": min(compute, memory)}
+
+
+def layer_weight_count(config: ModelConfig) -> int:
+    """Matmul weights of one decoder layer (norms are negligible)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_and_o = 2 * hidden * config.num_attention_heads * head_dim
+    k_and_v = 2 * hidden * config.num_key_value_heads * head_dim
+    mlp = 3 * hidden * config.intermediate_size
+    return q_and_o + k_and_v + mlp
+
+
+def workload_cost(
+    config: ModelConfig, prompt_lens: list[int], max_tokens: int, dtype: torch.dtype
+) -> WorkloadCost:
+    """The cost of generating ``max_tokens`` after each prompt, all in one batch.
+
+    Step 0 prefills every prompt and samples token 1; steps 1..max_tokens-1
+    each feed the last token of every sequence, whose context is then
+    prompt_len + step tokens long.
+    """
+    itemsize = dtype.itemsize
+    num_layers = config.num_hidden_layers
+    layer_weights = num_layers * layer_weight_count(config)
+    lm_head = config.vocab_size * config.hidden_size
+    num_seqs = len(prompt_lens)
+    num_output = num_seqs * max_tokens
+    num_forward = sum(prompt_lens) + num_seqs * (max_tokens - 1)
+    # Keys seen by every query, summed: causal prefill, then one query per decode step.
+    keys_prefill = sum(p * (p + 1) // 2 for p in prompt_lens)
+    context_decode = sum(p * (max_tokens - 1) + max_tokens * (max_tokens - 1) // 2 for p in prompt_lens)
+    attention_flops = 4 * config.num_attention_heads * config.head_dim * num_layers
+    flops = (
+        2 * layer_weights * num_forward
+        + 2 * lm_head * num_output
+        + attention_flops * (keys_prefill + context_decode)
+    )
+    kv_per_token = 2 * num_layers * config.num_key_value_heads * config.head_dim * itemsize
+    weight_bytes = (layer_weights + lm_head) * itemsize
+    kv_read = kv_per_token * (sum(prompt_lens) + context_decode)
+    return WorkloadCost(
+        flops=float(flops),
+        bytes=float(max_tokens * weight_bytes + kv_read),
+        num_output_tokens=num_output,
+        weight_bytes_per_step=float(weight_bytes),
+        kv_bytes_read=float(kv_read),
+    )

@@ -1,0 +1,557 @@
+#!/usr/bin/env python3
+"""End-to-end generation throughput: workload ``cpu-throughput-v1``.
+
+Defined in ../shared/workloads/README.md: the default model
+(SmolLM2-135M-Instruct, Q4_1 GGUF) in fp32 and bf16; the 64 chat prompts of
+``cpu-throughput-v1.json`` through the model's chat template; greedy,
+exactly 128 new tokens each (EOS ignored); all submitted at once; 2 threads.
+Figure: output tokens/s from submit to last token, and peak RSS.
+
+Systems, each in its own subprocess (so peak RSS is its own):
+
+    cadence     cadence.LLM(dtype=...).generate(...)
+    hf-static   transformers ``generate`` on one left-padded batch
+    hf-cb       transformers continuous batching (``generate_batch``)
+    roofline    this machine's bandwidth and GEMM FLOP/s -> the workload's bound
+
+Every system gets the same prompt token ids (checked against the ids stored
+in the workload file), runs one small warm-up generation on unrelated ids,
+then the timed one.
+
+    python bench/throughput.py                             # the whole table (minutes)
+    python bench/throughput.py --quick                     # 8 prompts x 32 tokens
+    python bench/throughput.py --systems cadence,roofline --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOAD = "cpu-throughput-v1"
+WORKLOAD_FILE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / f"{WORKLOAD}.json"
+SYSTEMS = ("cadence", "hf-static", "hf-cb", "roofline")
+DTYPES = ("float32", "bfloat16")
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+NUM_THREADS = 2
+MAX_TOKENS = 128
+QUICK_PROMPTS, QUICK_TOKENS = 8, 32
+# Step token budget: every prompt prefills in one step (64 prompts < 3,000 tokens).
+MAX_BATCHED_TOKENS = 4096
+KV_BLOCK_SIZE = 16  # cadence's
+HF_PAGE_SIZE = 256  # transformers continuous batching's default page
+WARMUP_PROMPTS = [list(range(1000, 1040)), list(range(2000, 2030))]  # no shared prefix with the workload
+WARMUP_TOKENS = 4
+RESULT_MARK = "RESULT "
+# Two threads on two cores: another busy process stalls every OpenMP barrier.
+QUIET_CORES = 0.25
+QUIET_WINDOW_S = 3.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a child process runs: one system in one dtype on these prompts."""
+
+    system: str
+    dtype: str
+    prompt_ids: list[list[int]]
+    max_tokens: int
+    model_path: str
+
+
+# ==================================================================== children
+
+
+def run_child(system: str, dtype: str) -> None:
+    """Child side: read the Job from stdin, run it, print one RESULT line."""
+    job = Job(**json.loads(sys.stdin.read()))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(NUM_THREADS)
+    result = CHILD_RUNNERS[system](job)
+    result["peak_rss_mib"] = _peak_rss_mib()
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _busy_cpu_seconds() -> float:
+    """Seconds all CPUs of the machine spent busy (user, system, irq, steal...)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class CpuWatch:
+    """Wall time, this process's CPU time, and what other processes took meanwhile.
+
+    ``others_cores``: CPU cores other processes kept busy (load from other
+    work on the machine, measured rather than assumed).
+    """
+
+    def __init__(self) -> None:
+        self.busy0, self.own0, self.start = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+
+    def read(self) -> dict:
+        wall = time.perf_counter() - self.start
+        own = _own_cpu_seconds() - self.own0
+        others = max(0.0, _busy_cpu_seconds() - self.busy0 - own)
+        return {"wall_s": wall, "cpu_util": own / wall, "others_cores": others / wall}
+
+
+def timed(run) -> dict:
+    """Run ``run()`` (which returns per-prompt token counts) and measure it."""
+    watch = CpuWatch()
+    counts = run()
+    figures = watch.read()
+    return {
+        **figures,
+        "token_counts": counts,
+        "num_tokens": sum(counts),
+        "tok_s": sum(counts) / figures["wall_s"],
+        "loadavg_1m": os.getloadavg()[0],
+    }
+
+
+def run_cadence(job: Job) -> dict:
+    # cadence.engine.llm, not ``cadence.LLM``: run from outside the repository
+    # root, the editable install resolves ``cadence`` as a namespace package.
+    from cadence.engine.llm import LLM
+    from cadence.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        job.model_path,
+        dtype=job.dtype,
+        num_threads=NUM_THREADS,
+        max_num_seqs=len(job.prompt_ids),
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        num_gpu_blocks=_cadence_blocks(job),
+    )
+    load_s = time.perf_counter() - start
+
+    def generate(prompt_ids: list[list[int]], max_tokens: int) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [len(out.outputs[0].token_ids) for out in outputs]
+
+    generate(WARMUP_PROMPTS, WARMUP_TOKENS)
+    return {"load_s": load_s, **timed(lambda: generate(job.prompt_ids, job.max_tokens))}
+
+
+def _cadence_blocks(job: Job) -> int:
+    """KV blocks for every sequence at full length, plus the warm-up's."""
+    per_seq = lambda n: -(-(n + job.max_tokens) // KV_BLOCK_SIZE)  # noqa: E731
+    return sum(per_seq(len(p)) for p in job.prompt_ids + WARMUP_PROMPTS)
+
+
+def load_transformers_model(path: str, dtype_name: str):
+    """transformers' model for the same GGUF, in ``dtype_name``.
+
+    As tests/models/test_smollm2_parity.py does: ``from_pretrained(gguf_file=)``
+    needs ``accelerate``; without it the model is built from the GGUF's config
+    and given transformers' own GGUF conversion of the tensors.
+    """
+    import importlib.util
+
+    import torch
+    import transformers
+
+    dtype = getattr(torch, dtype_name)
+    folder, name = os.path.split(path)
+    if importlib.util.find_spec("accelerate") is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        return model.eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    del tensors
+    model.tie_weights()
+    return model.eval()
+
+
+def _no_eos(model) -> int:
+    """Drop EOS from the model's generation config; the id to pad with."""
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    model.generation_config.eos_token_id = None
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
+    model.generation_config.pad_token_id = pad
+    return pad
+
+
+def run_hf_static(job: Job) -> dict:
+    import torch
+
+    start = time.perf_counter()
+    model = load_transformers_model(job.model_path, job.dtype)
+    pad_id = _no_eos(model)
+    load_s = time.perf_counter() - start
+
+    def generate(prompt_ids: list[list[int]], max_tokens: int) -> list[int]:
+        width = max(len(p) for p in prompt_ids)
+        # Left padding: every prompt ends at the last column, where generation starts.
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])  # [B, W]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])  # [B, W]
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=mask, do_sample=False,
+                max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_id,
+            )  # [B, W + max_tokens]
+        new = out[:, width:]
+        return [int(new.shape[1])] * new.shape[0]
+
+    generate(WARMUP_PROMPTS, WARMUP_TOKENS)
+    return {"load_s": load_s, **timed(lambda: generate(job.prompt_ids, job.max_tokens))}
+
+
+def run_hf_cb(job: Job) -> dict:
+    import transformers
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    transformers.logging.set_verbosity_error()
+    start = time.perf_counter()
+    model = load_transformers_model(job.model_path, job.dtype)
+    pad_id = _no_eos(model)
+    load_s = time.perf_counter() - start
+    longest = max(len(p) for p in job.prompt_ids) + job.max_tokens
+    pages_per_seq = -(-longest // HF_PAGE_SIZE)
+    # Explicit sizes: on CPU the defaults reserve most of the machine's RAM.
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=pages_per_seq * len(job.prompt_ids) + 2,
+        max_batch_tokens=MAX_BATCHED_TOKENS,
+        max_requests_per_batch=len(job.prompt_ids),
+    )
+
+    def generate(prompt_ids: list[list[int]], max_tokens: int) -> list[int]:
+        gen_config = GenerationConfig(
+            max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id
+        )
+        results = model.generate_batch(
+            inputs=prompt_ids, generation_config=gen_config, continuous_batching_config=cb_config,
+        )
+        assert len(results) == len(prompt_ids), f"{len(results)} results for {len(prompt_ids)} prompts"
+        return [len(r.generated_tokens) for r in results.values()]
+
+    generate(WARMUP_PROMPTS, WARMUP_TOKENS)
+    return {"load_s": load_s, **timed(lambda: generate(job.prompt_ids, job.max_tokens))}
+
+
+def run_roofline(job: Job) -> dict:
+    import torch
+
+    from roofline import measure_bandwidth, measure_gemm
+
+    watch = CpuWatch()
+    bandwidth = measure_bandwidth()
+    gflops = {name: measure_gemm(getattr(torch, name)) for name in DTYPES}
+    return {**bandwidth, "gflops": gflops, "tok_s": 0.0, **watch.read()}
+
+
+CHILD_RUNNERS = {
+    "cadence": run_cadence,
+    "hf-static": run_hf_static,
+    "hf-cb": run_hf_cb,
+    "roofline": run_roofline,
+}
+
+
+# ==================================================================== parent
+
+
+def workload_prompt_ids(model_path: str, num_prompts: int) -> list[list[int]]:
+    """Each user message through the model's chat template, checked against the file's ids."""
+    from cadence.models.gguf_loader import read_gguf
+    from cadence.models.tokenizer import Tokenizer
+
+    workload = json.loads(WORKLOAD_FILE.read_text())
+    assert workload["workload"] == WORKLOAD, workload["workload"]
+    tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model_path)[1])
+    prompt_ids = []
+    for message in workload["user_messages"][:num_prompts]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+        prompt_ids.append(tokenizer.encode(text, add_special_tokens=False))
+    expected = workload["prompt_ids"][:num_prompts]
+    assert prompt_ids == expected, "chat-templated prompt ids differ from the workload file's"
+    return prompt_ids
+
+
+def run_job(job: Job, verbose: bool) -> dict:
+    """One system in a fresh interpreter; its RESULT line parsed."""
+    command = [sys.executable, __file__, "--child", job.system, "--dtype", job.dtype]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        command, input=json.dumps(job.__dict__), capture_output=True, text=True, env=env
+    )
+    if verbose or proc.returncode:
+        sys.stderr.write(proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{job.system} {job.dtype} failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+def measure(job: Job, args: argparse.Namespace, label: str) -> dict:
+    """Runs of one system, each in a fresh process, and the one reported.
+
+    The machine is shared: each run starts after a quiet moment, and a run
+    during which other processes kept more than ``args.max_others`` cores
+    busy (two threads on two cores stall at every OpenMP barrier then) is
+    run again, up to ``args.max_attempts`` runs in all. Reported: the fastest
+    undisturbed run, else the fastest run.
+    """
+    runs: list[dict] = []
+    while len(runs) < args.max_attempts and len(_undisturbed(runs, args)) < args.repeats:
+        others = wait_for_quiet(args.wait_quiet)
+        print(f"running {label} (others busy {others:.2f} cores) ...", file=sys.stderr, flush=True)
+        result = run_job(job, args.verbose)
+        if job.system != "roofline":
+            check_tokens(label, result, job)
+            print(f"  {result['tok_s']:,.0f} tok/s, {result['wall_s']:.1f} s, peak RSS "
+                  f"{result['peak_rss_mib']:,.0f} MiB, others {result['others_cores']:.2f} cores",
+                  file=sys.stderr, flush=True)
+        runs.append(result)
+    candidates = _undisturbed(runs, args) or runs
+    if job.system == "roofline":
+        return _best_machine(candidates)
+    best = max(candidates, key=lambda r: r["tok_s"])
+    return {**best, "runs": [(r["tok_s"], r["others_cores"]) for r in runs]}
+
+
+def _undisturbed(runs: list[dict], args: argparse.Namespace) -> list[dict]:
+    return [r for r in runs if r["others_cores"] <= args.max_others]
+
+
+def _best_machine(runs: list[dict]) -> dict:
+    """Each roofline figure at its best over the runs."""
+    best = dict(runs[0])
+    for key in ("copy_gbs", "read_gbs", "bandwidth_gbs"):
+        best[key] = max(r[key] for r in runs)
+    best["gflops"] = {d: max(r["gflops"][d] for r in runs) for d in DTYPES}
+    best["others_cores"] = min(r["others_cores"] for r in runs)
+    return best
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES) -> float:
+    """Wait (at most ``max_wait_s``) until other processes use under ``threshold`` cores."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy0 = _busy_cpu_seconds()
+        time.sleep(QUIET_WINDOW_S)
+        others = (_busy_cpu_seconds() - busy0) / QUIET_WINDOW_S
+        if others < threshold or time.monotonic() >= deadline:
+            return others
+
+
+def check_tokens(label: str, result: dict, job: Job) -> None:
+    """Every prompt got exactly max_tokens new tokens."""
+    expected = [job.max_tokens] * len(job.prompt_ids)
+    assert result["token_counts"] == expected, f"{label}: token counts {result['token_counts']}"
+    assert result["num_tokens"] == len(job.prompt_ids) * job.max_tokens
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        load = os.getloadavg()
+        return f"load average: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}"
+
+
+def roofline_rows(machine: dict, model_path: str, prompt_ids: list[list[int]], max_tokens: int) -> dict:
+    """Per dtype: the workload's compute-bound, memory-bound and overall bound."""
+    import torch
+
+    from cadence.models.gguf_loader import gguf_model_config, read_gguf
+    from roofline import workload_cost
+
+    config = gguf_model_config(*read_gguf(model_path))
+    rows = {}
+    for dtype in DTYPES:
+        cost = workload_cost(config, [len(p) for p in prompt_ids], max_tokens, getattr(torch, dtype))
+        rows[dtype] = {
+            **cost.bound(machine["gflops"][dtype], machine["bandwidth_gbs"]),
+            "gflops": machine["gflops"][dtype],
+            "tflop_total": cost.flops / 1e12,
+            "gb_total": cost.bytes / 1e9,
+            "weight_mb_per_step": cost.weight_bytes_per_step / 1e6,
+            "kv_gb_read": cost.kv_bytes_read / 1e9,
+        }
+    return rows
+
+
+def print_report(results: dict, roofline: dict | None, machine: dict | None, header: dict) -> None:
+    print(f"# workload {header['workload']} (name cpu-throughput, version {header['version']})")
+    print(f"# {header['num_prompts']} prompts x {header['max_tokens']} new tokens, greedy, "
+          f"EOS ignored, {NUM_THREADS} threads; python {platform.python_version()}, "
+          f"torch {header['torch']}, transformers {header['transformers']}")
+    print(f"# cpu: {header['cpu']}")
+    print(f"# load at start: {header['uptime_start']}")
+    print(f"# load at end:   {header['uptime_end']}")
+    print()
+    print("| system | dtype | output tok/s | wall s | peak RSS MiB | load s | CPU util "
+          "| other procs (cores) | all runs: tok/s (other procs) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for (system, dtype), r in results.items():
+        runs = ", ".join(f"{tok_s:,.0f} ({others:.2f})" for tok_s, others in r["runs"])
+        print(f"| {system} | {SHORT_DTYPE[dtype]} | {r['tok_s']:,.0f} | {r['wall_s']:.1f} "
+              f"| {r['peak_rss_mib']:,.0f} | {r['load_s']:.1f} | {r['cpu_util']:.2f} "
+              f"| {r['others_cores']:.2f} | {runs} |")
+    if roofline:
+        print()
+        print(f"machine: copy {machine['copy_gbs']:.1f} GB/s (read+write), read {machine['read_gbs']:.1f} GB/s "
+              f"-> bandwidth {machine['bandwidth_gbs']:.1f} GB/s; GEMM "
+              + ", ".join(f"{SHORT_DTYPE[d]} {machine['gflops'][d]:.0f} GFLOP/s" for d in DTYPES)
+              + f" (other procs {machine['others_cores']:.2f} cores)")
+        print()
+        print("| dtype | weights MB/step | KV GB read | total GB | total TFLOP "
+              "| compute-bound tok/s | memory-bound tok/s | roofline tok/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for dtype, r in roofline.items():
+            print(f"| {SHORT_DTYPE[dtype]} | {r['weight_mb_per_step']:.0f} | {r['kv_gb_read']:.2f} "
+                  f"| {r['gb_total']:.1f} | {r['tflop_total']:.2f} | {r['compute_tok_s']:,.0f} "
+                  f"| {r['memory_tok_s']:,.0f} | {r['roofline_tok_s']:,.0f} |")
+    print_ratios(results, roofline)
+
+
+def print_ratios(results: dict, roofline: dict | None) -> None:
+    rows = []
+    for dtype in DTYPES:
+        ours = results.get(("cadence", dtype))
+        if ours is None:
+            continue
+        cells = []
+        for system, target in (("hf-static", 1.3), ("hf-cb", 4.0)):
+            other = results.get((system, dtype))
+            cells.append(_ratio_cell(ours["tok_s"], other["tok_s"], target) if other else "—")
+        bound = roofline.get(dtype) if roofline else None
+        cells.append(_ratio_cell(ours["tok_s"], bound["roofline_tok_s"], 0.4, percent=True) if bound else "—")
+        rows.append(f"| {SHORT_DTYPE[dtype]} | " + " | ".join(cells) + " |")
+    if rows:
+        print()
+        print("| dtype | cadence / hf static (target ≥ 1.3×) | cadence / hf continuous batching "
+              "(target ≥ 4×) | cadence / roofline (target ≥ 40%) |")
+        print("|---|---:|---:|---:|")
+        print("\n".join(rows))
+
+
+def _ratio_cell(ours: float, other: float, target: float, percent: bool = False) -> str:
+    ratio = ours / other
+    text = f"{ratio:.0%}" if percent else f"{ratio:.2f}×"
+    return text + (" ✓" if ratio >= target else " ✗")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {QUICK_PROMPTS} prompts x {QUICK_TOKENS} tokens")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated subset of {','.join(DTYPES)}")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="undisturbed runs wanted per system (each in a fresh process); "
+                             "the fastest is reported")
+    parser.add_argument("--max-others", type=float, default=QUIET_CORES, metavar="CORES",
+                        help="a run during which other processes used more cores than this is disturbed")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="most runs per system while looking for undisturbed ones")
+    parser.add_argument("--wait-quiet", type=float, default=60.0, metavar="SECONDS",
+                        help=f"before each run, wait up to SECONDS for other processes to use "
+                             f"under {QUIET_CORES} cores")
+    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2)")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    parser.add_argument("--verbose", action="store_true", help="show the children's stderr")
+    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", choices=DTYPES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.systems = _subset(parser, "systems", args.systems, SYSTEMS)
+    args.dtypes = _subset(parser, "dtypes", args.dtypes, DTYPES)
+    return args
+
+
+def _subset(parser, name: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in allowed]
+    if unknown:
+        parser.error(f"--{name}: unknown {unknown}; choose from {','.join(allowed)}")
+    return [s for s in allowed if s in chosen]  # table order
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        run_child(args.child, args.dtype)
+        return
+    import torch
+    import transformers
+
+    from cadence.models.loader import default_model_path
+
+    model_path = args.model or default_model_path()
+    num_prompts, max_tokens = (QUICK_PROMPTS, QUICK_TOKENS) if args.quick else (64, MAX_TOKENS)
+    prompt_ids = workload_prompt_ids(model_path, num_prompts)
+    header = {
+        "workload": WORKLOAD, "version": WORKLOAD.rsplit("-", 1)[1].lstrip("v"),
+        "num_prompts": num_prompts, "max_tokens": max_tokens, "cpu": _cpu_name(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "uptime_start": uptime(),
+    }
+    results, machine = {}, None
+    if "roofline" in args.systems:
+        machine = measure(Job("roofline", "float32", [], 0, model_path), args, "roofline")
+    for dtype in args.dtypes:
+        for system in args.systems:
+            if system != "roofline":
+                job = Job(system, dtype, prompt_ids, max_tokens, model_path)
+                results[(system, dtype)] = measure(job, args, f"{system} {SHORT_DTYPE[dtype]}")
+    header["uptime_end"] = uptime()
+    roofline = roofline_rows(machine, model_path, prompt_ids, max_tokens) if machine else None
+    print_report(results, roofline, machine, header)
+    if args.json:
+        payload = {
+            "header": header, "machine": machine, "roofline": roofline,
+            "results": [{"system": s, "dtype": d, **r} for (s, d), r in results.items()],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f", {os.cpu_count()} CPUs"
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
