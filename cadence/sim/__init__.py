@@ -8,25 +8,31 @@ Modules: ``runner`` (``SimRunner``), ``simulator`` (the clock and the loop),
 ``cost_model`` (roofline, calibrated, hardware profiles), ``calibrate``
 (timing the real CPU runner), ``workload`` (synthetic and JSONL traces),
 ``metrics``, ``plots``, ``cli`` (``cadence simulate``).
+
+Names load on first use: ``cadence.cli`` imports ``cadence.sim.cli`` for
+every command, and the simulator pulls in the engine (and with it torch).
 """
 
-from cadence.sim.cost_model import (
-    PROFILES,
-    CalibratedCostModel,
-    HardwareProfile,
-    ModelShape,
-    RooflineCostModel,
-    StepShape,
-    make_cost_model,
-)
-from cadence.sim.metrics import SLO, MetricsRecorder, summarize
-from cadence.sim.runner import SimRunner
-from cadence.sim.simulator import SimResult, Simulator, SimulationStalled, compare_policies
-from cadence.sim.workload import PromptMaker, RequestSpec, SyntheticWorkload, read_trace, write_trace
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "PROFILES", "SLO", "CalibratedCostModel", "HardwareProfile", "MetricsRecorder", "ModelShape",
-    "PromptMaker", "RequestSpec", "RooflineCostModel", "SimResult", "SimRunner", "SimulationStalled",
-    "Simulator", "StepShape", "SyntheticWorkload", "compare_policies", "make_cost_model",
-    "read_trace", "summarize", "write_trace",
-]
+_EXPORTS = {
+    "PROFILES": "cost_model", "CalibratedCostModel": "cost_model", "HardwareProfile": "cost_model",
+    "ModelShape": "cost_model", "RooflineCostModel": "cost_model", "StepShape": "cost_model",
+    "TokenCurve": "cost_model", "make_cost_model": "cost_model",
+    "SLO": "metrics", "MetricsRecorder": "metrics", "summarize": "metrics",
+    "SimRunner": "runner",
+    "SimResult": "simulator", "Simulator": "simulator", "SimulationStalled": "simulator",
+    "compare_policies": "simulator",
+    "PromptMaker": "workload", "RequestSpec": "workload", "SyntheticWorkload": "workload",
+    "read_trace": "workload", "write_trace": "workload",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cadence.sim' has no attribute {name!r}")
+    return getattr(import_module(f"cadence.sim.{module}"), name)

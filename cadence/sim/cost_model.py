@@ -17,9 +17,12 @@ Two models:
       compute = 2 * params * num_tokens + 4 * layers * heads * head_dim * num_attn_pairs
       memory  = params * dtype_bytes + num_kv_tokens * kv_bytes_per_token
       step    = max(compute / (peak * eff_c), memory / (bandwidth * eff_m)) + overhead
-- ``CalibratedCostModel``: ``t = sum coef_f * feature_f`` (an intercept and
-  any of the features above), fitted by least squares to timed real steps
-  (``cadence.sim.calibrate``), saved as JSON.
+- ``CalibratedCostModel``: fitted by least squares to timed real steps
+  (``cadence.sim.calibrate``), saved as JSON. Either a line,
+      t = a + b * num_tokens + c * num_seqs + d * num_kv_tokens   (any subset of features)
+  or, the calibration default, a piecewise-linear curve of the token count
+  in place of ``a + b * num_tokens`` (``TokenCurve``):
+      t = curve(num_tokens) + c * num_seqs + d * num_kv_tokens
 
 A step that computes nothing (only reports finished requests) costs 0.
 """

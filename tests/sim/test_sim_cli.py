@@ -50,3 +50,19 @@ def test_calibrate_action_parses():
     args = parse(["simulate", "calibrate", "--out", "x.json", "--dtype", "float32", "--quick"])
     assert args.sim_action == "calibrate" and args.out == "x.json" and args.quick
     assert args.func.__name__ == "cmd_calibrate"
+
+
+def test_building_the_parser_loads_neither_torch_nor_the_simulator():
+    # cadence.cli builds every subcommand's parser for every command.
+    import subprocess
+    import sys
+
+    script = (
+        "import argparse, sys\n"
+        "from cadence.sim.cli import add_simulate_parser\n"
+        "add_simulate_parser(argparse.ArgumentParser().add_subparsers())\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'cadence.sim.simulator', 'cadence.engine') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
