@@ -14,14 +14,19 @@ cache first, and every key/value attention reads comes from the cache. The
 scheduler relies on it: a request admitted in a step may have "cached"
 prefix blocks that another request writes in that same step.
 
-Two paths, both on ``scaled_dot_product_attention``:
+Short queries (decodes, speculative verification) take one of two paths:
 
-- short queries (decodes, speculative verification) are batched, in groups
+- with the native kernel (``cadence.runner.native``, C compiled on first
+  use), one call per layer reads every short sequence's keys and values in
+  place through its block table (``ShortQueryIndex``);
+- otherwise they are batched on ``scaled_dot_product_attention``, in groups
   of similar context length (decodes apart): their blocks are gathered
   whole into a padded ``[B, Hkv, Lpad, D]`` with a mask; grouped-query heads
-  are folded into the query axis, so no key is copied per query head;
-- longer prefill chunks run one sequence at a time with a causal mask offset
-  by the cached prefix.
+  are folded into the query axis, so no key is copied per query head.
+
+Longer prefill chunks run one sequence at a time on
+``scaled_dot_product_attention`` with a causal mask offset by the cached
+prefix.
 
 Everything index-shaped is computed once per step (``AttentionMetadata``)
 and reused by every layer.
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.runner.kv_cache import PagedKVCache
+from cadence.runner.native import PagedAttentionKernel
 
 # Sequences with at most this many query tokens share one padded batched call.
 MAX_BATCHED_QUERY_LEN = 8
@@ -66,6 +72,22 @@ class BatchedPlan:
 
 
 @dataclass
+class ShortQueryIndex:
+    """The short-query sequences, as the native kernel reads them."""
+
+    query_start: torch.Tensor  # [S] int64, first query row of each
+    query_len: torch.Tensor  # [S] int64
+    seq_len: torch.Tensor  # [S] int64, context length after this step
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    sliding_window: int | None
+
+    def to(self, device: torch.device) -> "ShortQueryIndex":
+        tensors = (self.query_start, self.query_len, self.seq_len, self.block_table)
+        return ShortQueryIndex(*(t.to(device, non_blocking=True) for t in tensors),
+                               self.sliding_window)
+
+
+@dataclass
 class PrefillPlan:
     """One long query chunk: its rows, its cache blocks and its causal mask."""
 
@@ -84,6 +106,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
     batched: list[BatchedPlan]  # short queries, in groups of similar length
     prefills: list[PrefillPlan]  # long queries, one each
+    short: ShortQueryIndex | None = None  # short queries, for the native kernel
 
     @classmethod
     def build(
@@ -94,12 +117,15 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_size: int,
         sliding_window: int | None = None,
+        native_short_queries: bool = False,
     ) -> "AttentionMetadata":
         """Plan a step.
 
         ``query_start_loc`` has S + 1 entries; ``seq_lens[s]`` is sequence s's
         context length after this step (computed + scheduled tokens);
         ``block_table`` ``[S, max_blocks]`` holds each sequence's block ids.
+        ``native_short_queries``: index short queries for the native kernel
+        instead of planning padded batches.
         """
         query_lens = [query_start_loc[s + 1] - query_start_loc[s] for s in range(len(seq_lens))]
         # Decodes apart from other short queries: padding them to Qmax would
@@ -110,7 +136,13 @@ class AttentionMetadata:
         starts = torch.tensor(query_start_loc[:-1], dtype=torch.long)
         lens = torch.tensor(query_lens, dtype=torch.long)
         seqs = torch.tensor(seq_lens, dtype=torch.long)
-        batched = []
+        short_index, batched = None, []
+        if native_short_queries and (decodes or short):
+            idx = torch.tensor(decodes + short, dtype=torch.long)
+            short_index = ShortQueryIndex(
+                starts[idx], lens[idx], seqs[idx], block_table[idx].to(torch.int32).contiguous(),
+                sliding_window)
+            decodes, short = [], []
         for group in _group_by_length(decodes, seq_lens) + _group_by_length(short, seq_lens):
             idx = torch.tensor(group, dtype=torch.long)
             batched.append(_plan_batched(
@@ -124,7 +156,7 @@ class AttentionMetadata:
             )
             for s in long
         ]
-        return cls(slot_mapping=slot_mapping, batched=batched, prefills=prefills)
+        return cls(slot_mapping=slot_mapping, batched=batched, prefills=prefills, short=short_index)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The same plan with its tensors on ``device`` (itself when already there)."""
@@ -144,7 +176,8 @@ class AttentionMetadata:
             )
             for p in self.prefills
         ]
-        return AttentionMetadata(move(self.slot_mapping), batched, prefills)
+        short = None if self.short is None else self.short.to(device)
+        return AttentionMetadata(move(self.slot_mapping), batched, prefills, short)
 
 
 def _group_by_length(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -278,7 +311,8 @@ class PagedAttention:
     """The model's attention callable for one step: ``(layer, q, k, v) -> out``.
 
     q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (rotary already applied);
-    returns ``[T, Hq, D]``. ``scale`` defaults to ``1/sqrt(D)``.
+    returns ``[T, Hq, D]``. ``scale`` defaults to ``1/sqrt(D)``. ``kernel``
+    runs ``metadata.short`` (required when the metadata has it).
     """
 
     def __init__(
@@ -287,10 +321,14 @@ class PagedAttention:
         metadata: AttentionMetadata,
         *,
         scale: float | None = None,
+        kernel: PagedAttentionKernel | None = None,
     ) -> None:
+        if metadata.short is not None and kernel is None:
+            raise ValueError("metadata indexes short queries for a native kernel, but none was given")
         self.kv_cache = kv_cache
         self.metadata = metadata
         self.scale = scale
+        self.kernel = kernel
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -300,6 +338,14 @@ class PagedAttention:
         key_blocks = self.kv_cache.keys(layer_idx)  # [num_blocks, bs, Hkv, D]
         value_blocks = self.kv_cache.values(layer_idx)
         out = torch.empty_like(q)  # [T, Hq, D]
+        short = self.metadata.short
+        if short is not None:
+            scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+            self.kernel(
+                q.contiguous(), key_blocks, value_blocks, out, short.query_start,
+                short.query_len, short.seq_len, short.block_table,
+                short.sliding_window, scale,
+            )
         for plan in self.metadata.batched:
             self._attend_batched(plan, q, key_blocks, value_blocks, out)
         for plan in self.metadata.prefills:

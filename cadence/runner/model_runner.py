@@ -29,7 +29,9 @@ from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
+from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
+from cadence.runner.native import PagedAttentionKernel, paged_attention
 from cadence.runner.ngram_drafter import NgramDrafter
 from cadence.runner.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from cadence.runner.sampling_metadata import SamplingMetadata, make_generator
@@ -54,6 +56,7 @@ class ModelRunner:
         max_model_len: int,
         device: str | torch.device = "cpu",
         speculative_config: "SpeculativeConfig | None" = None,
+        use_native_attention: bool = True,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -74,6 +77,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
         self.drafter = _make_drafter(speculative_config)
+        self.attention_kernel = _native_attention(self.device, dtype) if use_native_attention else None
+        if self.device.type == "cpu":
+            keep_freed_memory()
 
     # ------------------------------------------------------------ the step
 
@@ -108,8 +114,9 @@ class ModelRunner:
             step.slot_mapping,
             self.block_size,
             self.sliding_window,
+            native_short_queries=self.attention_kernel is not None,
         ).to(self.device)
-        attention = PagedAttention(self.kv_cache, metadata)
+        attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel)
         device = self.device
         return self.model(step.input_ids.to(device), step.positions.to(device), attention)
 
@@ -325,6 +332,14 @@ def _logprobs_lists(
         logprobs[s] = all_logprobs[row][: 1 + k]
         ranks[s] = all_ranks[row]
     return LogprobsLists(token_ids, logprobs, ranks)
+
+
+def _native_attention(device: torch.device, dtype: torch.dtype) -> PagedAttentionKernel | None:
+    """The compiled short-query attention kernel when it serves this device and dtype."""
+    if device.type != "cpu":
+        return None
+    kernel = paged_attention()
+    return kernel if kernel is not None and kernel.supports(dtype) else None
 
 
 def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:

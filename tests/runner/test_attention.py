@@ -9,6 +9,18 @@ import torch
 
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.kv_cache import PagedKVCache, num_blocks_for_budget
+from cadence.runner.native import paged_attention
+
+
+@pytest.fixture(params=["torch", "native"])
+def kernel(request):
+    """The short-query path under test: PyTorch's (None) or the compiled kernel."""
+    if request.param == "torch":
+        return None
+    compiled = paged_attention()
+    if compiled is None:
+        pytest.skip("no C compiler: the native kernel is unavailable")
+    return compiled
 
 
 def dense_attention(q, k, v, first_pos, sliding_window=None):
@@ -55,7 +67,7 @@ def slots_of(blocks, positions, block_size):
     return [blocks[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_window=None):
+def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_window=None, kernel=None):
     # Cached prefixes are already in the cache.
     for num_cached, _, blocks, keys, values in seqs:
         slots = torch.tensor(slots_of(blocks, range(num_cached), block_size), dtype=torch.long)
@@ -75,44 +87,46 @@ def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_win
     metadata = AttentionMetadata.build(
         query_start_loc, seq_lens, block_table,
         torch.tensor(slot_mapping, dtype=torch.long), block_size, sliding_window,
+        native_short_queries=kernel is not None,
     )
     q = torch.randn(query_start_loc[-1], num_heads, head_dim).to(dtype)
-    out = PagedAttention(cache, metadata)(0, q, torch.cat(ks), torch.cat(vs))
+    out = PagedAttention(cache, metadata, kernel=kernel)(0, q, torch.cat(ks), torch.cat(vs))
     return q, out, query_start_loc
 
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("sliding_window", [None, 7])
-def test_matches_dense_reference_float32(seed, sliding_window):
+def test_matches_dense_reference_float32(seed, sliding_window, kernel):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     block_size = rng.choice([1, 4, 16])
     num_kv_heads = rng.choice([1, 2])
     num_heads = num_kv_heads * rng.choice([1, 3])
-    dims = dict(num_heads=num_heads, head_dim=8, block_size=block_size, dtype=torch.float32)
+    head_dim = rng.choice([8, 64, 128])  # 64 and 128 take the kernel's unrolled paths
+    dims = dict(num_heads=num_heads, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
     cache, seqs = make_step(
         rng, num_seqs=rng.randint(1, 6), num_blocks=256, num_kv_heads=num_kv_heads, **dims
     )
-    q, out, starts = run_step(cache, seqs, sliding_window=sliding_window, **dims)
+    q, out, starts = run_step(cache, seqs, sliding_window=sliding_window, kernel=kernel, **dims)
     for i, (num_cached, query_len, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, sliding_window)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_matches_dense_reference_bfloat16(seed):
+def test_matches_dense_reference_bfloat16(seed, kernel):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    dims = dict(num_heads=4, head_dim=16, block_size=4, dtype=torch.bfloat16)
+    dims = dict(num_heads=4, head_dim=rng.choice([16, 64]), block_size=4, dtype=torch.bfloat16)
     cache, seqs = make_step(rng, num_seqs=5, num_blocks=256, num_kv_heads=2, **dims)
-    q, out, starts = run_step(cache, seqs, **dims)
+    q, out, starts = run_step(cache, seqs, kernel=kernel, **dims)
     assert out.dtype == torch.bfloat16
     for i, (num_cached, _, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=3e-2, rtol=3e-2)
 
 
-def test_reads_blocks_written_by_another_sequence_in_the_same_step():
+def test_reads_blocks_written_by_another_sequence_in_the_same_step(kernel):
     """B's cached prefix lives in a block that A fills in this very step."""
     torch.manual_seed(0)
     block_size, heads, dim = 4, 2, 8
@@ -131,10 +145,11 @@ def test_reads_blocks_written_by_another_sequence_in_the_same_step():
     b_slots = slots_of([5, 3], range(4, 6), block_size)
     block_table = torch.tensor([[5, 2, 6], [5, 3, 0]], dtype=torch.int32)
     metadata = AttentionMetadata.build(
-        [0, 10, 12], [10, 6], block_table, torch.tensor(a_slots + b_slots), block_size
+        [0, 10, 12], [10, 6], block_table, torch.tensor(a_slots + b_slots), block_size,
+        native_short_queries=kernel is not None,
     )
     q = torch.randn(12, heads, dim)
-    out = PagedAttention(cache, metadata)(
+    out = PagedAttention(cache, metadata, kernel=kernel)(
         0, q, torch.cat([keys[:10], b_keys[4:]]), torch.cat([values[:10], b_values[4:]])
     )
     torch.testing.assert_close(out[:10].double(), dense_attention(q[:10], keys[:10], values[:10], 0))
@@ -161,7 +176,7 @@ def test_num_blocks_for_budget():
     assert num_blocks_for_budget(per_block - 1, Config, 16, torch.bfloat16) == 0
 
 
-def test_decodes_of_very_different_lengths_are_grouped():
+def test_decodes_of_very_different_lengths_are_grouped(kernel):
     torch.manual_seed(1)
     block_size, heads, kv_heads, dim = 4, 4, 2, 8
     cache = PagedKVCache.allocate(
@@ -175,7 +190,7 @@ def test_decodes_of_very_different_lengths_are_grouped():
         seqs.append((num_cached, 1, blocks, torch.randn(num_cached + 1, kv_heads, dim),
                      torch.randn(num_cached + 1, kv_heads, dim)))
     dims = dict(num_heads=heads, head_dim=dim, block_size=block_size, dtype=torch.float32)
-    q, out, starts = run_step(cache, seqs, **dims)
+    q, out, starts = run_step(cache, seqs, kernel=kernel, **dims)
     for i, (num_cached, _, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)

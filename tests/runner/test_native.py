@@ -1,0 +1,67 @@
+"""The compiled kernels' build, cache and fallback (their numerics: test_attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadence.runner import native
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty kernel cache, and ``paged_attention()`` forgetting what it loaded."""
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    native.paged_attention.cache_clear()
+    yield tmp_path
+    native.paged_attention.cache_clear()
+
+
+def _needs_compiler():
+    if native.paged_attention() is None:
+        pytest.skip("no C compiler: the native kernel is unavailable")
+
+
+def test_builds_once_into_the_cache(fresh_cache):
+    _needs_compiler()
+    built = sorted((fresh_cache / "kernels").glob("paged_attention-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    assert native._build("paged_attention") == built[0]  # found, not rebuilt
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+def test_disabled_by_environment(fresh_cache, monkeypatch):
+    monkeypatch.setenv("CADENCE_NATIVE", "0")
+    assert native.paged_attention() is None
+    assert not (fresh_cache / "kernels").exists()
+
+
+def test_a_failed_build_falls_back_with_a_warning(fresh_cache, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh_cache / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="PyTorch path"):
+        assert native.paged_attention() is None
+
+
+def test_rejects_tensors_it_cannot_read():
+    _needs_compiler()
+    kernel = native.paged_attention()
+    q = torch.zeros(2, 4, 8)
+    cache = torch.zeros(4, 2, 2, 8)
+    index = dict(query_start=torch.tensor([0, 1]), query_len=torch.tensor([1, 1]),
+                 seq_len=torch.tensor([1, 1]), block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous CPU tensors of one dtype"):
+        kernel(q.bfloat16(), cache, cache, q, **index, sliding_window=None, scale=1.0)
+    with pytest.raises(ValueError, match="int32"):
+        kernel(q, cache, cache, torch.empty_like(q), **{**index, "block_table": index["block_table"].long()},
+               sliding_window=None, scale=1.0)
+    assert not kernel.supports(torch.float16)
+
+
+def test_the_cpu_runner_uses_it():
+    _needs_compiler()
+    from cadence.runner.model_runner import _native_attention
+
+    assert _native_attention(torch.device("cpu"), torch.float32) is not None
+    assert _native_attention(torch.device("cpu"), torch.float16) is None
+    assert _native_attention(torch.device("meta"), torch.float32) is None
