@@ -9,14 +9,23 @@ Figure: output tokens/s from submit to last token, and peak RSS.
 
 Systems, each in its own subprocess (so peak RSS is its own):
 
-    cadence     cadence.LLM(dtype=...).generate(...)
+    cadence     cadence.LLM(dtype=...).generate(...), KV cache sized to the workload
     hf-static   transformers ``generate`` on one left-padded batch
-    hf-cb       transformers continuous batching (``generate_batch``)
+    hf-cb       transformers continuous batching (``generate_batch``, with an
+                explicit ContinuousBatchingConfig: on CPU its defaults reserve
+                most of the RAM)
     roofline    this machine's bandwidth and GEMM FLOP/s -> the workload's bound
+                (see roofline.py)
 
 Every system gets the same prompt token ids (checked against the ids stored
 in the workload file), runs one small warm-up generation on unrelated ids,
-then the timed one.
+then the timed one; every prompt must get exactly max_tokens tokens.
+
+The machine may be shared, and two threads on two cores slow down several
+times over when another process is busy (every OpenMP barrier waits for a
+descheduled thread). So each run starts after a quiet moment, measures the
+cores other processes used meanwhile ("other procs"), and is run again when
+that exceeds --max-others; the table lists every run.
 
     python bench/throughput.py                             # the whole table (minutes)
     python bench/throughput.py --quick                     # 8 prompts x 32 tokens
