@@ -102,7 +102,7 @@ class Request:
 
     __slots__ = (
         "request_id", "client_index", "priority", "arrival_time", "sampling_params",
-        "eos_token_id", "lora_request", "prompt_token_ids", "num_prompt_tokens",
+        "eos_token_id", "lora_request", "prompt_token_ids", "num_prompt_tokens", "num_tokens",
         "_output_token_ids", "_all_token_ids", "spec_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "max_tokens", "min_tokens",
         "stop_token_ids", "stops_on_eos", "num_output_placeholders", "num_preemptions",
@@ -137,6 +137,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
+        # len(all_token_ids), kept as a plain attribute: the scheduler reads it
+        # for every running request every step.
+        self.num_tokens = self.num_prompt_tokens
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         # Set when first scheduled: prompt tokens found in a cache (local or external).
@@ -175,12 +178,8 @@ class Request:
     # ---- token counts -------------------------------------------------
 
     @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -206,12 +205,18 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):
-            self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            self.append_output_token(token_ids)
         else:
             token_ids = list(token_ids)
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
+            self.num_tokens += len(token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        """One sampled token (the common case of ``append_output_token_ids``)."""
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def record_event(self, event_type: RequestEventType, timestamp: float | None = None) -> None:
         self.events.append(RequestEvent(event_type, time.monotonic() if timestamp is None else timestamp))

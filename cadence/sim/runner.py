@@ -39,26 +39,29 @@ class SimRunner:
         new_reqs = scheduler_output.scheduled_new_reqs
         cached = scheduler_output.scheduled_cached_reqs
         # Every scheduled request, and the tokens it had computed before this step.
-        req_ids = [r.req_id for r in new_reqs] + cached.req_ids
-        computed = [r.num_computed_tokens for r in new_reqs] + cached.num_computed_tokens
-        for new_req in new_reqs:
-            num_tokens[new_req.req_id] = len(new_req.prompt_token_ids) + len(new_req.output_token_ids)
+        req_ids, computed = cached.req_ids, cached.num_computed_tokens
+        if new_reqs:
+            req_ids = [r.req_id for r in new_reqs] + req_ids
+            computed = [r.num_computed_tokens for r in new_reqs] + computed
+            for new_req in new_reqs:
+                num_tokens[new_req.req_id] = len(new_req.prompt_token_ids) + len(new_req.output_token_ids)
         # One pass: sample where the computed tokens reach the known ones (with
         # drafts scheduled, all are rejected: one token, the scheduler rolls
         # back), and count the attention pairs beyond a decode's c + 1.
         scheduled = scheduler_output.num_scheduled_tokens
-        sampled = []
+        sampled: list[list[int]] = []
+        append = sampled.append
         extra_pairs = 0
         for req_id, c in zip(req_ids, computed):
             q = scheduled[req_id]
-            if q != 1:
-                extra_pairs += q * c + (q * (q + 1) >> 1) - c - 1
             known = num_tokens[req_id]
             if c + q >= known:
                 num_tokens[req_id] = known + 1
-                sampled.append([FILLER_TOKEN_ID])
+                append([FILLER_TOKEN_ID])
             else:
-                sampled.append([])  # a prefill chunk short of the prompt's end
+                append([])  # a prefill chunk short of the prompt's end
+            if q != 1:
+                extra_pairs += q * c + (q * (q + 1) >> 1) - c - 1
         # The same shape as cost_model.step_shape (a test keeps them equal).
         total = scheduler_output.total_num_scheduled_tokens
         num_computed = sum(computed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from cadence.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from cadence.core.kv_cache.hashing import ROOT_HASH
 
 
 class KVCacheBlock:
@@ -68,11 +69,39 @@ class FreeBlockQueue:
         self.remove(block)  # type: ignore[arg-type]
         return block  # type: ignore[return-value]
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first ``n`` blocks, unlinked in one pass (``n`` <= the number free)."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} blocks: {self.num_free_blocks} free")
+        blocks = []
+        block = self._head.next_free
+        for _ in range(n):
+            blocks.append(block)
+            next_block = block.next_free  # type: ignore[union-attr]
+            block.prev_free = block.next_free = None  # type: ignore[union-attr]
+            block = next_block
+        # Relink the head to the first block left (or the tail).
+        self._head.next_free = block
+        block.prev_free = self._head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return blocks  # type: ignore[return-value]
+
     def remove(self, block: KVCacheBlock) -> None:
         block.prev_free.next_free = block.next_free  # type: ignore[union-attr]
         block.next_free.prev_free = block.prev_free  # type: ignore[union-attr]
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
+
+    def extend(self, blocks: list[KVCacheBlock]) -> None:
+        """``append`` each of ``blocks``, in order, linked in one pass."""
+        last = self._tail.prev_free
+        for block in blocks:
+            last.next_free = block  # type: ignore[union-attr]
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail  # type: ignore[union-attr]
+        self._tail.prev_free = last
+        self.num_free_blocks += len(blocks)
 
     def __iter__(self):
         block = self._head.next_free
@@ -110,23 +139,19 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the head of the free queue, evicting their hashes."""
-        if num_blocks > self.free_queue.num_free_blocks:
-            raise ValueError(f"cannot take {num_blocks} blocks: {self.num_free_blocks} free")
-        popleft = self.free_queue.popleft
-        blocks = [popleft() for _ in range(num_blocks)]
+        blocks = self.free_queue.popleft_n(num_blocks)
+        cached_blocks = self.cached_blocks
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                # A cached-free block: evicted from the prefix cache now.
+                block.block_hash = None
+                if cached_blocks.get(block_hash) is block:
+                    del cached_blocks[block_hash]
+                    if self.enable_events:
+                        self._events.append(BlockRemoved([block_hash]))
             block.ref_cnt = 1
         return blocks
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
-        block.block_hash = None
-        if self.cached_blocks.get(block_hash) is block:
-            del self.cached_blocks[block_hash]
-            if self.enable_events:
-                self._events.append(BlockRemoved([block_hash]))
 
     def get_cached_block(self, block_hash: Any) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -138,25 +163,32 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(
+    def cache_full_blocks(
         self,
-        block: KVCacheBlock,
-        block_hash: Any,
-        parent_hash: Any,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[Any],
+        first: int,
+        end: int,
         token_ids: list[int],
+        block_size: int,
         extra_key: Any,
     ) -> None:
-        """Register a full block under its hash (first holder of a hash wins)."""
-        if block.block_hash is not None:
-            return
-        if block_hash in self.cached_blocks:
-            return  # an equal block is already cached; this one stays anonymous
-        block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
-        if self.enable_events:
-            self._events.append(
-                BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids), extra_key)
-            )
+        """Register ``blocks[first:end]`` (full) under their hashes; the first
+        holder of a hash wins, an equal block cached before keeps it."""
+        cached_blocks = self.cached_blocks
+        events = self._events if self.enable_events else None
+        for i in range(first, end):
+            block, block_hash = blocks[i], block_hashes[i]
+            if block.block_hash is not None or block_hash in cached_blocks:
+                continue  # an equal block is already cached; this one stays anonymous
+            block.block_hash = block_hash
+            cached_blocks[block_hash] = block
+            if events is not None:
+                parent_hash = block_hashes[i - 1] if i else ROOT_HASH
+                block_token_ids = token_ids[i * block_size:(i + 1) * block_size]
+                events.append(BlockStored(
+                    [block_hash], parent_hash, block_token_ids, len(block_token_ids), extra_key
+                ))
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching zero go to the queue's tail.
@@ -164,11 +196,12 @@ class BlockPool:
         Callers pass a request's blocks tail-first, so that its last blocks
         (the least likely to be shared) are evicted first.
         """
-        append = self.free_queue.append
+        freed = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                freed.append(block)
+        self.free_queue.extend(freed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is owned."""

@@ -45,9 +45,24 @@ def extend_block_hashes(
     hash_fn: BlockHashFn,
     extra: Any = None,
 ) -> None:
-    """Append hashes to ``block_hashes`` until it covers ``num_full_blocks`` blocks."""
+    """Append hashes to ``block_hashes`` until it covers ``num_full_blocks``
+    blocks (full ones: ``token_ids`` holds at least that many)."""
+    first = len(block_hashes)
+    if num_full_blocks - first > 1:
+        # A prompt's blocks: zip over block_size references to one iterator
+        # yields one tuple per block, without a slice per block.
+        tokens = iter(token_ids[first * block_size:num_full_blocks * block_size])
+        block_token_tuples = zip(*[tokens] * block_size)
+    elif num_full_blocks == first + 1:  # a decode filled one block
+        block_token_tuples = (tuple(token_ids[first * block_size:num_full_blocks * block_size]),)
+    else:
+        return
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
-    for i in range(len(block_hashes), num_full_blocks):
-        start = i * block_size
-        parent = hash_fn(parent, tuple(token_ids[start:start + block_size]), extra)
-        block_hashes.append(parent)
+    if hash_fn is builtin_block_hash:  # inlined: a call per block costs as much as the hash
+        for block_token_ids in block_token_tuples:
+            parent = hash((parent, block_token_ids, extra))
+            block_hashes.append(parent)
+    else:
+        for block_token_ids in block_token_tuples:
+            parent = hash_fn(parent, block_token_ids, extra)
+            block_hashes.append(parent)

@@ -20,7 +20,7 @@ from typing import Any
 
 from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from cadence.core.kv_cache.events import KVCacheEvent
-from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, ROOT_HASH, extend_block_hashes
+from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, extend_block_hashes
 from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
@@ -127,11 +127,39 @@ class KVCacheManager:
         """
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
-        if blocks is None:
-            blocks = self.req_to_blocks[req_id] = []
-            self._num_cached_blocks[req_id] = 0
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_total = num_computed + num_new_tokens + num_lookahead_tokens
+        # Tokens computed once this step has run.
+        num_computed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if (
+            blocks is not None
+            and not new_computed_blocks
+            and num_computed + num_lookahead_tokens <= len(blocks) * self.block_size
+        ):
+            # The common decode step: the tokens fit the blocks held (15 steps
+            # in 16), nothing to take from the pool.
+            new_block_ids = []
+        else:
+            if blocks is None:
+                blocks = self.req_to_blocks[req_id] = []
+                self._num_cached_blocks[req_id] = 0
+            new_block_ids = self._take_new_blocks(
+                blocks, num_computed + num_lookahead_tokens, new_computed_blocks
+            )
+            if new_block_ids is None:
+                return None
+        if self.enable_caching and not delay_cache_blocks:
+            # Cache the blocks filled up; only tokens whose ids are known can
+            # be hashed (not drafts, not async placeholders).
+            num_known = request.num_tokens if request.num_tokens < num_computed else num_computed
+            if num_known // self.block_size > self._num_cached_blocks[req_id]:
+                self.cache_blocks(request, num_known)
+        return new_block_ids
+
+    def _take_new_blocks(
+        self, blocks: list[KVCacheBlock], num_total: int, new_computed_blocks: list[KVCacheBlock] | None
+    ) -> list[int] | None:
+        """Append the prefix-cache hits, then blocks from the pool up to
+        ``num_total`` slots, to ``blocks``; the new blocks' ids, or None
+        (nothing changed) when the pool has too few."""
         if self.max_model_len is not None and num_total > self.max_model_len:
             num_total = self.max_model_len
         num_hits = len(new_computed_blocks) if new_computed_blocks else 0
@@ -148,22 +176,11 @@ class KVCacheManager:
         elif num_new_blocks > free_queue.num_free_blocks:
             return None
 
-        if num_new_blocks > 0:
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-            new_block_ids = [block.block_id for block in new_blocks]
-        else:
-            new_block_ids = []
-
-        if self.enable_caching and not delay_cache_blocks:
-            # Only tokens whose ids are known can be hashed (not drafts, not placeholders).
-            num_known = num_computed + num_new_tokens
-            num_tokens = request.num_tokens
-            if num_known > num_tokens:
-                num_known = num_tokens
-            if num_known // self.block_size > self._num_cached_blocks[req_id]:
-                self.cache_blocks(request, num_known)
-        return new_block_ids
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        return [block.block_id for block in new_blocks]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the prefix cache."""
@@ -175,17 +192,13 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         blocks = self.req_to_blocks[req_id]
-        num_full = min(num_full, len(blocks))
+        if num_full > len(blocks):
+            num_full = len(blocks)
         block_hashes = self._block_hashes(request, num_full)
-        token_ids = request.all_token_ids
-        cache_block = self.block_pool.cache_block
-        size = self.block_size
-        for i in range(num_cached, num_full):
-            parent = block_hashes[i - 1] if i else ROOT_HASH
-            cache_block(
-                blocks[i], block_hashes[i], parent,
-                token_ids[i * size:(i + 1) * size], request.extra_hash_key,
-            )
+        self.block_pool.cache_full_blocks(
+            blocks, block_hashes, num_cached, num_full, request.all_token_ids, self.block_size,
+            request.extra_hash_key,
+        )
         self._num_cached_blocks[req_id] = num_full
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[Any]:
@@ -193,12 +206,13 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             extend_block_hashes(
                 hashes, request.all_token_ids, num_blocks, self.block_size,
-                self._hash_fn, self._extra_key(request, len(hashes), num_blocks),
+                self._hash_fn, self._extra_key(request),
             )
         return hashes
 
-    def _extra_key(self, request: Request, first_block: int, end_block: int) -> Any:
-        """What besides tokens shapes the KV of these blocks."""
+    @staticmethod
+    def _extra_key(request: Request) -> Any:
+        """What besides tokens shapes the KV of the request's blocks."""
         if not request.mm_positions:
             return request.extra_hash_key
         # Blocks overlapping a multimodal item depend on the item's content, whose

@@ -44,6 +44,7 @@ from cadence.core.sched.stop import check_stop
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
 
 
 class Scheduler(SchedulerInterface):
@@ -137,6 +138,8 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         allocate = self.kv_cache_manager.allocate_slots
         lookahead = self.num_lookahead_tokens
+        unsent = self._unsent_running
+        schedule_running = plan.schedule_running
         order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
         for request in order:
             budget = plan.token_budget
@@ -146,7 +149,10 @@ class Scheduler(SchedulerInterface):
                 continue  # preempted earlier in this loop
             # Catch up with the known tokens (+ drafts, + async placeholders).
             num_computed = request.num_computed_tokens
-            num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
+            num_new = (
+                request.num_tokens + len(request.spec_token_ids)
+                + request.num_output_placeholders - num_computed
+            )
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -165,18 +171,18 @@ class Scheduler(SchedulerInterface):
                 num_new = plan.add_encoder_inputs(request, num_new, self.encoder_cache_manager)
                 if num_new <= 0:
                     continue
-            new_block_ids = allocate(request, num_new, num_lookahead_tokens=lookahead)
+            new_block_ids = allocate(request, num_new, 0, None, lookahead)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, plan)
                 if new_block_ids is None:
                     break
-            if self._unsent_running and request.request_id in self._unsent_running:
+            if unsent and request.request_id in unsent:
                 # A forked child: the runner gets its whole data once.
-                self._unsent_running.discard(request.request_id)
+                unsent.discard(request.request_id)
                 plan.new.append(request)
                 plan.schedule_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
             else:
-                plan.schedule_running(request, num_new, new_block_ids)
+                schedule_running(request, num_new, new_block_ids)
 
     def _limit_special(self, request: Request, num_new: int) -> int:
         """Limits of a parent waiting to fork (n > 1) and of async placeholders."""
@@ -459,80 +465,133 @@ class Scheduler(SchedulerInterface):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        """Absorb the step's sampled tokens; the new outputs per client.
+
+        Most requests of a step are plain decodes (one token, no drafts, no
+        logprobs, no fork): those take a short path inline, since this loop
+        runs once per request per step; everything else goes through
+        ``_update_request``.
+        """
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
-        new_spec_token_ids = model_runner_output.spec_token_ids
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
         requests = self.requests
-        outputs: dict[int, list[EngineCoreOutput]] = {}
-        if self._orphan_outputs:
-            for client, output in zip(self._orphan_clients, self._orphan_outputs):
-                outputs.setdefault(client, []).append(output)
-            self._orphan_outputs, self._orphan_clients = [], []
+        outputs = self._take_orphan_outputs()
+        plain_step = self._is_plain_step(scheduler_output, model_runner_output)
         spec_stats: SpecDecodingStats | None = None
         num_stopped = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
-            if request is None or request.status > RequestStatus.PREEMPTED:
+            if request is None or request.status > _PREEMPTED:
                 continue  # finished (e.g. aborted) while the step ran
             index = req_id_to_index[req_id]
             new_token_ids = sampled_token_ids[index] if sampled_token_ids else []
-            if scheduled_drafts:
-                drafts = scheduled_drafts.get(req_id)
-                if drafts:
-                    num_accepted = spec_decode.roll_back_rejected(
-                        request, len(drafts), len(new_token_ids)
+            if plain_step and len(new_token_ids) == 1 and request.fork_point is None:
+                request.append_output_token(new_token_ids[0])
+                if check_stop(request, max_model_len):
+                    num_stopped += 1
+                    output = self._make_engine_core_output(
+                        request, new_token_ids, None, None, self._free_request(request)
                     )
-                    if self.log_stats:
-                        spec_stats = spec_decode.observe(
-                            spec_stats, self.num_spec_tokens, len(drafts), num_accepted
-                        )
-            if request.num_output_placeholders:
-                request.num_output_placeholders = max(
-                    0, request.num_output_placeholders - len(new_token_ids)
-                )
-            stopped = False
-            if new_token_ids:
-                new_token_ids, stopped = self._append_output(request, new_token_ids, max_model_len)
-            fork = False
-            if stopped:
-                num_stopped += 1
-                kv_transfer_params = self._free_request(request)
+                else:
+                    output = EngineCoreOutput(
+                        req_id, new_token_ids,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                        events=request.take_events() if request.events else None,
+                        parent_request_id=request.parent_request_id,
+                    )
             else:
-                kv_transfer_params = None
-                if new_spec_token_ids is not None:
-                    self._set_drafts(request, new_spec_token_ids[index])
-                fork = request.fork_point is not None and request.num_computed_tokens >= request.fork_point
-            prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
-            if new_token_ids or kv_transfer_params or prompt_logprobs is not None:
-                output = self._make_engine_core_output(
-                    request, new_token_ids, model_runner_output, index, prompt_logprobs,
-                    kv_transfer_params,
-                )
-                client_outputs = outputs.get(request.client_index)
-                if client_outputs is None:
-                    client_outputs = outputs[request.client_index] = []
-                client_outputs.append(output)
-            if fork:
-                self._fork(request)
+                if scheduled_drafts and scheduled_drafts.get(req_id):
+                    spec_stats = self._roll_back_rejected(
+                        request, scheduled_drafts[req_id], len(new_token_ids), spec_stats
+                    )
+                output = self._update_request(request, index, new_token_ids, model_runner_output)
+                if output is None:
+                    continue
+                if output.finish_reason is not None:
+                    num_stopped += 1  # only a request that stopped in this step has one
+            client_outputs = outputs.get(request.client_index)
+            if client_outputs is None:
+                client_outputs = outputs[request.client_index] = []
+            client_outputs.append(output)
         if num_stopped:
             self._remove_finished_from_queues()
         if model_runner_output.kv_connector_output is not None:
             self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         return self._make_engine_core_outputs(outputs, spec_stats)
 
+    def _take_orphan_outputs(self) -> dict[int, list[EngineCoreOutput]]:
+        """Outputs per client, starting with those of requests finished inside ``schedule()``."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        if self._orphan_outputs:
+            for client, output in zip(self._orphan_clients, self._orphan_outputs):
+                outputs.setdefault(client, []).append(output)
+            self._orphan_outputs, self._orphan_clients = [], []
+        return outputs
+
+    def _is_plain_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> bool:
+        """No drafts (verified or new), logprobs, grammars or async placeholders in
+        this step: a request that sampled one token needs no more than appending it."""
+        return not (
+            scheduler_output.scheduled_spec_decode_tokens or runner_output.spec_token_ids is not None
+            or runner_output.logprobs is not None or runner_output.prompt_logprobs_dict
+            or self.structured_output_manager is not None or self.async_scheduling
+        )
+
+    def _update_request(
+        self, request: Request, index: int, new_token_ids: list[int], runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """Absorb one request's result in the general case; its output, if it has one."""
+        if request.num_output_placeholders:
+            request.num_output_placeholders = max(
+                0, request.num_output_placeholders - len(new_token_ids)
+            )
+        stopped = False
+        if new_token_ids:
+            new_token_ids, stopped = self._append_output(request, new_token_ids, self.max_model_len)
+        fork = False
+        if stopped:
+            kv_transfer_params = self._free_request(request)
+        else:
+            kv_transfer_params = None
+            if runner_output.spec_token_ids is not None:
+                self._set_drafts(request, runner_output.spec_token_ids[index])
+            fork = request.fork_point is not None and request.num_computed_tokens >= request.fork_point
+        prompt_logprobs = runner_output.prompt_logprobs_dict.get(request.request_id)
+        output = None
+        if new_token_ids or kv_transfer_params or prompt_logprobs is not None:
+            new_logprobs = None
+            if request.sampling_params.logprobs is not None and runner_output.logprobs is not None:
+                new_logprobs = runner_output.logprobs.slice(index, index + 1)
+            output = self._make_engine_core_output(
+                request, new_token_ids, new_logprobs, prompt_logprobs, kv_transfer_params
+            )
+        if fork:
+            # After the output is made: the parent's output does not carry the fork's finish.
+            self._fork(request)
+        return output
+
+    def _roll_back_rejected(
+        self, request: Request, drafts: list[int], num_sampled: int, spec_stats: SpecDecodingStats | None
+    ) -> SpecDecodingStats | None:
+        num_accepted = spec_decode.roll_back_rejected(request, len(drafts), num_sampled)
+        if self.log_stats:
+            spec_stats = spec_decode.observe(spec_stats, self.num_spec_tokens, len(drafts), num_accepted)
+        return spec_stats
+
     def _append_output(
         self, request: Request, new_token_ids: list[int], max_model_len: int
     ) -> tuple[list[int], bool]:
         """Append sampled tokens one by one; cut the list at the one that stops."""
         if len(new_token_ids) == 1:  # the common case: one decode token
-            request.append_output_token_ids(new_token_ids[0])
+            request.append_output_token(new_token_ids[0])
             if check_stop(request, max_model_len):
                 return new_token_ids, True
         else:
             for num_appended, token_id in enumerate(new_token_ids, 1):
-                request.append_output_token_ids(token_id)
+                request.append_output_token(token_id)
                 if check_stop(request, max_model_len):
                     if num_appended < len(new_token_ids):
                         new_token_ids = new_token_ids[:num_appended]
@@ -553,18 +612,14 @@ class Scheduler(SchedulerInterface):
             drafts = so.grammar.validate_tokens(drafts)
         request.spec_token_ids = list(drafts)
 
+    @staticmethod
     def _make_engine_core_output(
-        self,
         request: Request,
         new_token_ids: list[int],
-        runner_output: ModelRunnerOutput,
-        index: int,
+        new_logprobs: Any,
         prompt_logprobs: Any,
         kv_transfer_params: dict | None,
     ) -> EngineCoreOutput:
-        new_logprobs = None
-        if request.sampling_params.logprobs is not None and runner_output.logprobs is not None:
-            new_logprobs = runner_output.logprobs.slice(index, index + 1)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -579,8 +634,8 @@ class Scheduler(SchedulerInterface):
         )
 
     def _remove_finished_from_queues(self) -> None:
-        self.running = [r for r in self.running if r.status <= RequestStatus.PREEMPTED]
-        finished_waiting = [r for r in self.waiting if r.status > RequestStatus.PREEMPTED]
+        self.running = [r for r in self.running if r.status <= _PREEMPTED]
+        finished_waiting = [r for r in self.waiting if r.status > _PREEMPTED]
         if finished_waiting:
             self.waiting.remove_requests(finished_waiting)
 
@@ -749,6 +804,10 @@ class Scheduler(SchedulerInterface):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def has_requests(self) -> bool:
+        # The interface's answer in one expression: an engine loop asks every step.
+        return bool(self.running or self.waiting or self.finished_req_ids)
 
     def has_finished_requests(self) -> bool:
         return len(self.finished_req_ids) > 0
