@@ -103,13 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; a ValueError is a usage error (exit 2)."""
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as err:
         print(f"cadence: error: {err}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

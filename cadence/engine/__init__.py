@@ -7,8 +7,7 @@ the simulator uses it without loading torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cadence._lazy import lazy_exports
 
 _EXPORTS = {
     "CompletionOutput": "cadence.engine.outputs",
@@ -19,8 +18,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'cadence.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -9,8 +9,7 @@ shapes with it without loading torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cadence._lazy import lazy_exports
 
 _EXPORTS = {
     "LlamaForCausalLM": "cadence.models.llama",
@@ -21,8 +20,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'cadence.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -2,16 +2,12 @@
 
 import sys
 
+from cadence.cli import run
 from cadence.server.cli import build_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as err:
-        print(f"cadence: error: {err}", file=sys.stderr)
-        return 2
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -489,19 +489,13 @@ class Scheduler(SchedulerInterface):
             new_token_ids = sampled_token_ids[index] if sampled_token_ids else []
             if plain_step and len(new_token_ids) == 1 and request.fork_point is None:
                 request.append_output_token(new_token_ids[0])
+                kv_transfer_params = None
                 if check_stop(request, max_model_len):
                     num_stopped += 1
-                    output = self._make_engine_core_output(
-                        request, new_token_ids, None, None, self._free_request(request)
-                    )
-                else:
-                    output = EngineCoreOutput(
-                        req_id, new_token_ids,
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=request.num_cached_tokens or 0,
-                        events=request.take_events() if request.events else None,
-                        parent_request_id=request.parent_request_id,
-                    )
+                    kv_transfer_params = self._free_request(request)
+                output = self._make_engine_core_output(
+                    request, new_token_ids, None, None, kv_transfer_params
+                )
             else:
                 if scheduled_drafts and scheduled_drafts.get(req_id):
                     spec_stats = self._roll_back_rejected(
