@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cadence.models import packed_weights
+
 
 def _empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -27,15 +29,30 @@ class Embedding(torch.nn.Module):
 
 
 class Linear(torch.nn.Module):
-    """``y = x @ W.T (+ b)`` with W [out_features, in_features]."""
+    """``y = x @ W.T (+ b)`` with W [out_features, in_features].
+
+    After ``pack()`` (CPU only, see ``packed_weights``) the product runs on
+    oneDNN's packed copy and ``weight`` is left empty.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = _empty_parameter(out_features, dtype=dtype) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_weights.packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self) -> bool:
+        """Move the weight into oneDNN's packed layout; False where it cannot be."""
+        if self.packed_weight is not None or not packed_weights.can_pack(self.weight):
+            return False
+        self.packed_weight = packed_weights.pack(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)  # the packed copy is the only one
+        return True
 
 
 class FusedLinear(Linear):

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from cadence.models import packed_weights
 from cadence.models.config import ModelConfig
 from cadence.models.layers import Embedding, FusedLinear, GatedMLP, Linear, RMSNorm
 from cadence.models.rotary import RotaryEmbedding, apply_rotary
@@ -100,6 +101,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.model = LlamaModel(config, dtype)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tied_head_packed: torch.Tensor | None = None  # see pack_weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,8 +114,25 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of hidden states [N, hidden]."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head_packed is not None:
+            return packed_weights.packed_linear(hidden, self.tied_head_packed, None).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_weights(self) -> int:
+        """Pack every matmul weight for oneDNN (CPU; see ``packed_weights``).
+
+        A tied LM head gets a packed copy: the embedding keeps its dense
+        table for lookups. Returns how many matrices were packed (0 where
+        this build or device cannot).
+        """
+        num_packed = sum(module.pack() for module in self.modules() if isinstance(module, Linear))
+        embedding = self.model.embed_tokens.weight
+        if self.lm_head is None and self.tied_head_packed is None and packed_weights.can_pack(embedding):
+            self.tied_head_packed = packed_weights.pack(embedding)
+            num_packed += 1
+        return num_packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy in tensors named as in a Hugging Face checkpoint; fail if any is missing.

@@ -57,6 +57,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         speculative_config: "SpeculativeConfig | None" = None,
         use_native_attention: bool = True,
+        pack_weights: bool = True,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -80,6 +81,8 @@ class ModelRunner:
         self.attention_kernel = _native_attention(self.device, dtype) if use_native_attention else None
         if self.device.type == "cpu":
             keep_freed_memory()
+            if pack_weights:
+                model.pack_weights()
 
     # ------------------------------------------------------------ the step
 
