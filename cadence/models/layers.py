@@ -7,10 +7,15 @@ PyTorch's default initialisation saves seconds per billion weights.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, overload
+
 import torch
 import torch.nn.functional as F
 
 from cadence.models import packed_weights
+
+if TYPE_CHECKING:
+    from cadence.models.fused_ops import FusedOps
 
 
 def _empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -72,14 +77,35 @@ class FusedLinear(Linear):
 
 
 class RMSNorm(torch.nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back before the weight."""
+    """Root-mean-square norm, computed in float32 and cast back before the weight.
+
+    ``forward(x, residual)`` first adds x into the residual stream and norms
+    the sum, returning ``(normed, new residual)``, so a decoder layer makes
+    one call where it would make two (one pass in C with ``fused_ops``).
+    """
 
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _empty_parameter(hidden_size, dtype=dtype)
+        self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x, residual=None):
+        if self.fused_ops is not None:
+            # residual += x happens in place: the stream is this forward's own tensor.
+            normed = self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            return normed if residual is None else (normed, residual)
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -95,7 +121,10 @@ class GatedMLP(torch.nn.Module):
         shards = [("gate_proj", intermediate_size), ("up_proj", intermediate_size)]
         self.gate_up_proj = FusedLinear(hidden_size, shards, bias=False, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.forward_split(x)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)

@@ -7,6 +7,11 @@ may come from several sequences (a flattened batch) and the model never knows:
     input_ids [T] -> embed -> N x (norm -> qkv -> rotary -> attention() -> o_proj (+)
                                    norm -> gate_up -> silu*up -> down (+)) -> norm -> [T, hidden]
 
+Each residual add (+) is done by the norm that follows it (``RMSNorm(x,
+residual)``), so a layer takes and returns the pair (its input, the
+residual stream before it). On the CPU, ``use_fused_ops`` moves the norms,
+the rotary and silu*up into single C passes (``fused_ops``).
+
 Parameter names follow Hugging Face's except for two fusions, which
 ``load_weights`` undoes when it reads a checkpoint:
 
@@ -16,7 +21,7 @@ Parameter names follow Hugging Face's except for two fusions, which
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,9 @@ from cadence.models import packed_weights
 from cadence.models.config import ModelConfig
 from cadence.models.layers import Embedding, FusedLinear, GatedMLP, Linear, RMSNorm
 from cadence.models.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from cadence.models.fused_ops import FusedOps
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,19 +55,30 @@ class LlamaAttention(torch.nn.Module):
         shards = [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)]
         self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=config.attention_bias, dtype=dtype)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor, rope: CosSin, attention: AttentionFn) -> torch.Tensor:
+        """``rope``: cos/sin [T, 1, D] in x's dtype, or float32 [T, D] with fused ops."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj.forward_split(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)  # [T, Hq, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)  # [T, Hkv, D]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.fused_ops is not None:
+            self.fused_ops.rotary_(q, k, *rope)  # in place, in the projection's output
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x))`` then ``h + mlp(norm(h))``.
+
+    Computed as ``(mlp_out, h) = layer(x_delta, residual)`` with x =
+    residual + x_delta (no residual: the first layer, x itself); the caller
+    adds the last pair.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -68,9 +87,16 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rope: CosSin, attention: AttentionFn) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: CosSin, attention: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm(x, residual)
+        attn_out = self.self_attn(normed, rope, attention)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(torch.nn.Module):
@@ -83,13 +109,19 @@ class LlamaModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary(positions, hidden.dtype)  # looked up once, used by every layer
+        # Looked up once, used by every layer.
+        if self.fused_ops is not None:
+            rope = self.rotary.rows(positions)  # float32 [T, D] each
+        else:
+            rope = self.rotary(positions, hidden.dtype)  # [T, 1, D] each
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope, attention)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, attention)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -119,6 +151,12 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.tied_head_packed is not None:
             return packed_weights.packed_linear(hidden, self.tied_head_packed, None).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run norms, rotary and silu*up through ``ops`` (None: back to PyTorch's)."""
+        for module in self.modules():
+            if hasattr(module, "fused_ops"):
+                module.fused_ops = ops
 
     def pack_weights(self) -> int:
         """Pack every matmul weight for oneDNN (CPU; see ``packed_weights``).

@@ -74,6 +74,10 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
         return cos, sin
 
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [T, D] for tokens at ``positions`` (what ``fused_ops.rotary_`` reads)."""
+        return self.cos[positions], self.sin[positions]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] with cos/sin [T, 1, D] from ``RotaryEmbedding``."""

@@ -27,6 +27,7 @@ import torch
 
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from cadence.models.fused_ops import fused_ops
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
@@ -58,6 +59,7 @@ class ModelRunner:
         speculative_config: "SpeculativeConfig | None" = None,
         use_native_attention: bool = True,
         pack_weights: bool = True,
+        use_fused_ops: bool = True,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -83,6 +85,9 @@ class ModelRunner:
             keep_freed_memory()
             if pack_weights:
                 model.pack_weights()
+            ops = fused_ops() if use_fused_ops else None
+            if ops is not None and ops.supports(dtype):
+                model.use_fused_ops(ops)
 
     # ------------------------------------------------------------ the step
 

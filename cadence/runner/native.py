@@ -1,43 +1,18 @@
-"""CPU kernels written in C, compiled on first use and called through ctypes.
+"""The paged-attention C kernel (``cadence/csrc/paged_attention.c``) with tensor arguments.
 
-One kernel so far: attention of short queries straight over the paged KV
-cache (``csrc/paged_attention.c``). It is built with the machine's C compiler
-(``-O3 -march=native -fopenmp``) into a cache folder, keyed by the source,
-the flags and the CPU, so a second process loads it in milliseconds:
-
-    $CADENCE_CACHE_DIR (default ~/.cache/cadence)/kernels/paged_attention-<key>.so
-
-Without a compiler, or with ``CADENCE_NATIVE=0``, ``paged_attention()``
-returns None and the runner keeps its PyTorch path; nothing else changes.
-
-The library links OpenMP's ``libgomp.so.1``. Loaded after torch, the
-dynamic loader hands it torch's own copy (same soname), so the kernel runs on
-torch's threads and honours ``torch.set_num_threads``.
+Built and loaded by ``cadence.native``; ``paged_attention()`` is None where
+it cannot be (no compiler, ``CADENCE_NATIVE=0``) and the runner keeps its
+PyTorch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.c", "paged_attention_impl.h")
-# -fassociative-math (with the two it needs) lets the compiler vectorise dot
-# products; no -ffast-math: it would also assume no inf or NaN.
-CFLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
-    "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-)
+from cadence import native
 _ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -92,57 +67,5 @@ class PagedAttentionKernel:
 @functools.cache
 def paged_attention() -> PagedAttentionKernel | None:
     """The compiled kernel, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
-    if os.environ.get("CADENCE_NATIVE", "1") == "0":
-        return None
-    try:
-        return PagedAttentionKernel(ctypes.CDLL(str(_build("paged_attention"))))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", None) or ""
-        warnings.warn(f"cadence: native paged attention unavailable ({error}) {detail[-500:]}; "
-                      "using the PyTorch path", RuntimeWarning, stacklevel=2)
-        return None
-
-
-def _build(name: str) -> Path:
-    """Compile ``csrc/<name>.c`` unless the cache already holds this exact build."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    target = _cache_dir() / f"{name}-{_build_key(compiler)}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load half a file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, *CFLAGS, "-o", str(built), str(CSRC / f"{name}.c"), "-lm"],
-            check=True, capture_output=True, text=True,
-        )
-        os.replace(built, target)
-    return target
-
-
-def _build_key(compiler: str) -> str:
-    """Hash of everything the binary depends on: sources, compiler, flags, CPU."""
-    digest = hashlib.sha256()
-    for source in SOURCES:
-        digest.update((CSRC / source).read_bytes())
-    digest.update(" ".join((compiler, *CFLAGS)).encode())
-    digest.update(_cpu_signature().encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags (``-march=native`` depends on them)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(lines))
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("CADENCE_CACHE_DIR") or Path.home() / ".cache" / "cadence"
-    return Path(root) / "kernels"
+    library = native.load("paged_attention")
+    return None if library is None else PagedAttentionKernel(library)

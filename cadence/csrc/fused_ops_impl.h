@@ -1,0 +1,83 @@
+/* The functions of fused_ops.c, written once for an element type: the
+ * includer defines ELEM (the stored type), LOAD (ELEM -> float), STORE
+ * (float -> ELEM) and NAME(x) (x with the type's suffix). ROUND(x) is x
+ * rounded to the element type, as PyTorch rounds between operations. */
+
+#define ROUND(x) LOAD(STORE(x))
+
+/* For each of ``rows`` rows of ``width``: with a residual, residual += x
+ * (rounded) and the sum is normed; without, x is. out = weight * (v * rsqrt(
+ * mean(v^2) + eps)), the norm rounded before the weight as in PyTorch.
+ * Row strides are in elements. */
+void NAME(add_rms_norm)(const ELEM *x, int64_t x_stride, ELEM *residual, int64_t residual_stride,
+                        const ELEM *weight, ELEM *out, int64_t out_stride, int64_t rows,
+                        int64_t width, float eps) {
+    #pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < rows; ++t) {
+        const ELEM *src = x + t * x_stride;
+        ELEM *dst = out + t * out_stride;
+        float sum_squares = 0.0f;
+        if (residual) {
+            ELEM *stream = residual + t * residual_stride;
+            for (int64_t i = 0; i < width; ++i) {
+                ELEM total = STORE(LOAD(stream[i]) + LOAD(src[i]));
+                stream[i] = total;
+                float v = LOAD(total);
+                sum_squares += v * v;
+            }
+            src = stream;
+        } else {
+            for (int64_t i = 0; i < width; ++i) {
+                float v = LOAD(src[i]);
+                sum_squares += v * v;
+            }
+        }
+        float inverse_rms = 1.0f / sqrtf(sum_squares / (float)width + eps);
+        for (int64_t i = 0; i < width; ++i)
+            dst[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(src[i]) * inverse_rms));
+    }
+}
+
+/* Rotate heads in place: x [rows, heads, D] (row stride in elements), token
+ * t by row t of the float32 cos/sin [rows, D] (rounded to the element type
+ * first, as PyTorch casts them). With h = D / 2:
+ * x[:h] <- x[:h] cos[:h] - x[h:] sin[:h];  x[h:] <- x[h:] cos[h:] + x[:h] sin[h:].
+ * Products and the sum are rounded as PyTorch's x * cos + rotate_half(x) * sin. */
+static inline void NAME(rotate_row)(ELEM *x, int heads, int D, const float *cos, const float *sin) {
+    const int half = D / 2;
+    for (int head = 0; head < heads; ++head) {
+        ELEM *v = x + head * D;
+        for (int i = 0; i < half; ++i) {
+            float a = LOAD(v[i]), b = LOAD(v[i + half]);
+            float c0 = ROUND(cos[i]), s0 = ROUND(sin[i]);
+            float c1 = ROUND(cos[i + half]), s1 = ROUND(sin[i + half]);
+            v[i] = STORE(ROUND(a * c0) + ROUND(-b * s0));
+            v[i + half] = STORE(ROUND(b * c1) + ROUND(a * s1));
+        }
+    }
+}
+
+void NAME(rotary)(ELEM *q, int64_t q_stride, int q_heads, ELEM *k, int64_t k_stride, int k_heads,
+                  const float *cos, const float *sin, int64_t rows, int D) {
+    #pragma omp parallel for schedule(static) if (rows * (q_heads + k_heads) * D >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < rows; ++t) {
+        NAME(rotate_row)(q + t * q_stride, q_heads, D, cos + t * D, sin + t * D);
+        NAME(rotate_row)(k + t * k_stride, k_heads, D, cos + t * D, sin + t * D);
+    }
+}
+
+/* out [rows, I] = silu(gate) * up, where row t of gate_up [rows, 2I] is
+ * gate | up; silu is rounded before the product, as in PyTorch. */
+void NAME(silu_mul)(const ELEM *gate_up, ELEM *out, int64_t rows, int64_t I) {
+    #pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < rows; ++t) {
+        const ELEM *gate = gate_up + t * 2 * I, *up = gate + I;
+        ELEM *dst = out + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+            float g = LOAD(gate[i]);
+            dst[i] = STORE(ROUND(g / (1.0f + exp_approx(-g))) * LOAD(up[i]));
+        }
+    }
+}
+
+#undef ROUND

@@ -1,0 +1,114 @@
+"""The C elementwise steps (``fused_ops``) against the PyTorch code they replace."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cadence import native
+from cadence.models import fused_ops as fused_module
+from cadence.models.attention_ref import ReferenceAttention
+from cadence.models.layers import RMSNorm
+from cadence.models.rotary import apply_rotary
+from cadence.models.testing import random_model, tiny_config
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    library = fused_module.fused_ops()
+    if library is None:
+        pytest.skip("no C compiler: fused ops unavailable")
+    return library
+
+
+def assert_matches(actual, expected):
+    """Equal up to float32 summation order (bfloat16 results may differ by one rounding)."""
+    if expected.dtype == torch.bfloat16:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(actual, expected, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 7, 300])  # 300 x 576 rows run on several threads
+def test_rms_norm_with_and_without_residual(ops, dtype, num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 576, generator=generator).to(dtype)
+    residual = torch.randn(num_rows, 576, generator=generator).to(dtype)
+    norm = RMSNorm(576, 1e-5, dtype=dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(576, generator=generator))
+    expected = norm(x)
+    expected_pair = norm(x, residual)
+    norm.fused_ops = ops
+    assert_matches(norm(x), expected)
+    stream = residual.clone()
+    normed, new_residual = norm(x, stream)
+    assert new_residual is stream  # summed in place
+    assert torch.equal(new_residual, expected_pair[1])  # one rounded add, as PyTorch's
+    assert_matches(normed, expected_pair[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_views(ops, dtype):
+    num_tokens, q_heads, kv_heads, head_dim = 5, 4, 2, 16
+    qkv = torch.randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : q_heads * head_dim].view(num_tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v_before = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
+    angles = torch.rand(num_tokens, head_dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, D]
+    expected_q = apply_rotary(q, cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
+    expected_k = apply_rotary(k, cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
+    ops.rotary_(q, k, cos, sin)
+    assert_matches(q, expected_q)
+    assert_matches(k, expected_k)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(ops, dtype):
+    gate = torch.linspace(-30, 30, 3 * 40).view(3, 40)
+    up = torch.randn(3, 40)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    expected = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    assert_matches(ops.silu_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_model_matches_pytorch_model(ops, dtype):
+    config = tiny_config(architecture="qwen2", attention_bias=True)
+    plain, fused = random_model(config, dtype, seed=2), random_model(config, dtype, seed=2)
+    fused.use_fused_ops(ops)
+    ids, positions = torch.tensor([5, 17, 42, 99, 3, 250, 7, 64]), torch.arange(8)
+    with torch.inference_mode():
+        expected = plain.compute_logits(plain(ids, positions, ReferenceAttention()))
+        actual = fused.compute_logits(fused(ids, positions, ReferenceAttention()))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+    fused.use_fused_ops(None)  # and back
+    with torch.inference_mode():
+        assert torch.equal(fused.compute_logits(fused(ids, positions, ReferenceAttention())), expected)
+
+
+def test_rejects_what_it_cannot_read(ops):
+    with pytest.raises(ValueError, match="rms_norm"):
+        ops.rms_norm(torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="silu_mul"):
+        ops.silu_mul(torch.zeros(2, 7))
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="cos/sin"):
+        ops.rotary_(q, q, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8))
+    assert not ops.supports(torch.float16) and ops.supports(torch.bfloat16)
+
+
+def test_unavailable_when_native_code_is_disabled(monkeypatch, tmp_path):
+    monkeypatch.setenv("CADENCE_NATIVE", "0")
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    native.load.cache_clear()
+    fused_module.fused_ops.cache_clear()
+    try:
+        assert fused_module.fused_ops() is None
+    finally:
+        native.load.cache_clear()
+        fused_module.fused_ops.cache_clear()
