@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 /* Tokens ahead whose keys (values) are prefetched. */
 #define PREFETCH_AHEAD 8
 
@@ -51,22 +53,6 @@ typedef struct {
     const int64_t *seq_len;
     const int32_t *block_table;
 } SequenceIndex;
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t widened = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &widened, sizeof value);
-    return value;
-}
-
-/* Round to nearest even, as PyTorch does; NaN stays NaN. */
-static inline uint16_t float_to_bf16(float value) {
-    union { uint32_t u; float f; } cast;
-    cast.f = value;
-    if ((cast.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((cast.u >> 16) | 0x40u);
-    cast.u += 0x7fffu + ((cast.u >> 16) & 1u);
-    return (uint16_t)(cast.u >> 16);
-}
 
 static inline float dot(const float *a, const float *b, int n) {
     float sum = 0.0f;
@@ -90,7 +76,7 @@ static inline void softmax(float *row, int64_t lo, int64_t hi) {
     float max = row[lo], sum = 0.0f;
     for (int64_t i = lo + 1; i < hi; ++i) max = row[i] > max ? row[i] : max;
     for (int64_t i = lo; i < hi; ++i) {
-        row[i] = expf(row[i] - max);
+        row[i] = exp_approx(row[i] - max);
         sum += row[i];
     }
     float inverse = 1.0f / sum;
