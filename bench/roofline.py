@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.models import packed_weights
 from cadence.models.config import ModelConfig
 
 BANDWIDTH_BYTES = 512 * 2**20  # per buffer: far beyond any cache
@@ -65,8 +66,6 @@ def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> dic
 
 def measure_gemm(dtype: torch.dtype, size: int = GEMM_SIZE, repeats: int = 3) -> float:
     """GFLOP/s of a ``size``-square matmul in ``dtype``, the faster library's."""
-    from cadence.models import packed_weights
-
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     seconds = _best_seconds(lambda: torch.mm(a, b), repeats)

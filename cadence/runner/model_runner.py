@@ -57,10 +57,11 @@ class ModelRunner:
         max_model_len: int,
         device: str | torch.device = "cpu",
         speculative_config: "SpeculativeConfig | None" = None,
-        use_native_attention: bool = True,
-        pack_weights: bool = True,
-        use_fused_ops: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
+        """``cpu_kernels`` (on a CPU device): pack the matmul weights for oneDNN,
+        and use the C kernels for attention and the elementwise steps where
+        they build (``cadence.native``); False keeps plain PyTorch."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -80,14 +81,15 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
         self.drafter = _make_drafter(speculative_config)
-        self.attention_kernel = _native_attention(self.device, dtype) if use_native_attention else None
+        self.attention_kernel = None
         if self.device.type == "cpu":
             keep_freed_memory()
-            if pack_weights:
+            if cpu_kernels:
                 model.pack_weights()
-            ops = fused_ops() if use_fused_ops else None
-            if ops is not None and ops.supports(dtype):
-                model.use_fused_ops(ops)
+                ops = fused_ops()
+                if ops is not None and ops.supports(dtype):
+                    model.use_fused_ops(ops)
+                self.attention_kernel = _native_attention(self.device, dtype)
 
     # ------------------------------------------------------------ the step
 
