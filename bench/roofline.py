@@ -6,7 +6,14 @@ Two measurements of the machine, with the threads the workload uses:
   and a large reduction (bytes read);
 - matmul throughput: a large square GEMM, per dtype, the best of the two
   libraries PyTorch has on the CPU (``torch.mm``, MKL for float32; oneDNN
-  with a packed weight, as cadence's runner uses).
+  with a packed weight, as cadence's runner uses, only where
+  ``packing_works`` says this CPU packs that dtype).
+
+Only what this CPU can do is measured, and what was left out is said: a
+dtype the CPU computes in software (bfloat16 without AVX512_BF16, AMX or ARM
+BF16: about 1 GFLOP/s on an AVX2 EPYC, where a 4096-square product takes
+minutes) is timed on a small matrix and marked emulated; the caller decides
+whether to time it at all (``emulated_reason``).
 
 Two costs of the workload, from the model's shape (``ModelConfig``):
 
@@ -33,11 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence import cpu_features
+from cadence.cpu_features import CpuFeatures
 from cadence.models import packed_weights
 from cadence.models.config import ModelConfig
+from cadence.runner.cpu_paths import emulation_note
 
 BANDWIDTH_BYTES = 512 * 2**20  # per buffer: far beyond any cache
 GEMM_SIZE = 4096
+# Emulated bfloat16 runs ~1 GFLOP/s: 512 squared is ~0.3 s a product, and
+# still large enough that the time is the arithmetic, not the call.
+EMULATED_GEMM_SIZE = 512
 
 
 # ---------------------------------------------------------------- the machine
@@ -64,15 +77,36 @@ def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> dic
     return {"copy_gbs": copy_gbs, "read_gbs": read_gbs, "bandwidth_gbs": max(copy_gbs, read_gbs)}
 
 
-def measure_gemm(dtype: torch.dtype, size: int = GEMM_SIZE, repeats: int = 3) -> float:
-    """GFLOP/s of a ``size``-square matmul in ``dtype``, the faster library's."""
+def emulated_reason(dtype: torch.dtype, features: CpuFeatures | None = None) -> str | None:
+    """Why ``dtype`` is computed in software on this CPU (as ``features`` shows it), or None."""
+    return emulation_note(dtype, cpu_features.detect() if features is None else features)
+
+
+def gemm_size(dtype: torch.dtype, features: CpuFeatures | None = None) -> int:
+    """The matrix side to time ``dtype`` at: small where it is emulated, so it ends in seconds."""
+    return EMULATED_GEMM_SIZE if emulated_reason(dtype, features) else GEMM_SIZE
+
+
+def measure_gemm(dtype: torch.dtype, size: int | None = None, repeats: int = 3) -> dict:
+    """GFLOP/s of a square matmul in ``dtype``, the faster library's, and what was left out.
+
+    The packed oneDNN product is timed only where ``packing_works(dtype)``;
+    elsewhere (bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, where
+    oneDNN's reorder raises; oneDNN hidden) ``packed_skipped`` says why not.
+    """
+    features = cpu_features.detect()
+    size = gemm_size(dtype, features) if size is None else size
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
-    if packed_weights.can_pack(b):
+    seconds, library, skipped = _best_seconds(lambda: torch.mm(a, b), repeats), "torch.mm", None
+    if packed_weights.packing_works(dtype, features):
         packed = packed_weights.pack(b)  # a @ b.T: the same FLOPs
-        seconds = min(seconds, _best_seconds(lambda: packed_weights.packed_linear(a, packed, None), repeats))
-    return 2 * size**3 / seconds / 1e9
+        packed_s = _best_seconds(lambda: packed_weights.packed_linear(a, packed, None), repeats)
+        seconds, library = min((seconds, library), (packed_s, "oneDNN packed"))
+    else:
+        skipped = packed_weights.why_not_packed(dtype, features)
+    return {"gflops": 2 * size**3 / seconds / 1e9, "size": size, "library": library,
+            "emulated": emulated_reason(dtype, features), "packed_skipped": skipped}
 
 
 # ---------------------------------------------------------------- the workload

@@ -36,6 +36,11 @@ short queue at bursts) without running away into an ever-growing queue.
     python bench/sim_accuracy.py --clock cpu           # ~5 minutes
     python bench/sim_accuracy.py --quick               # 60 requests, small grid
     python bench/sim_accuracy.py --json results.json --wait-quiet 120
+
+``--dtype bfloat16`` on a CPU that only emulates it (no AVX512_BF16, AMX or
+ARM BF16) still runs, since both sides time the same engine, but the output
+says so: every step is several times slower than float32 and the trace's
+arrival rate may outrun it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from cadence import cpu_features  # noqa: E402
 from cadence.config import SchedulerConfig  # noqa: E402
 from cadence.core.sched.scheduler import Scheduler  # noqa: E402
 from cadence.engine.core import EngineCore  # noqa: E402
@@ -142,6 +148,15 @@ def _others_cores_during(fn):
     return result, max(others, 0.0)
 
 
+def emulated_note(dtype_name: str) -> str | None:
+    """Why ``dtype_name`` is computed in software on this CPU, or None (imports torch)."""
+    import torch
+
+    from cadence.runner.cpu_paths import emulation_note
+
+    return emulation_note(getattr(torch, dtype_name), cpu_features.detect())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="60 requests and a small calibration grid")
@@ -157,6 +172,9 @@ def main() -> int:
     parser.add_argument("--trace", metavar="PATH", help="also save the trace (JSONL) here")
     args = parser.parse_args()
 
+    emulated = emulated_note(args.dtype)
+    if emulated:
+        print(f"note: {emulated}", file=sys.stderr)
     engine = build_default_engine(dtype=args.dtype, num_threads=args.num_threads)
     specs = make_trace(args.quick)
     if args.trace:
@@ -188,7 +206,8 @@ def main() -> int:
     passed = all(abs(comparison[k]["sim_over_real"] - 1) <= TOLERANCE for k in headline)
 
     print(f"{WORKLOAD}: {len(specs)} requests, {real['output_tokens']} output tokens; "
-          f"{args.dtype}, {args.num_threads} thread(s), {args.clock} clock; others busy {others_before:.2f} cores "
+          f"{args.dtype}{' (emulated)' if emulated else ''}, {args.num_threads} thread(s), {args.clock} clock; "
+          f"cpu {cpu_features.detect().describe()}; others busy {others_before:.2f} cores "
           f"(calibration before), {others_real:.2f} (real run), {others_after:.2f} (after); "
           f"grid after/before {drift:.2f}x")
     print(f"calibrated: {describe_fit(cost_model)}")
@@ -203,6 +222,7 @@ def main() -> int:
         document = {
             "workload": WORKLOAD, "num_requests": len(specs), "dtype": args.dtype, "clock": args.clock,
             "num_threads": args.num_threads, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "cpu": cpu_features.detect().describe(), "emulated": emulated,
             "others_busy_cores": {"calibration_before": others_before, "real_run": others_real,
                                   "calibration_after": others_after},
             "calibration_drift": drift,

@@ -17,6 +17,18 @@ Systems, each in its own subprocess (so peak RSS is its own):
     roofline    this machine's bandwidth and GEMM FLOP/s -> the workload's bound
                 (see roofline.py)
 
+Only what this CPU can do is measured, and the report says what was left
+out and why. A dtype the CPU computes only in software (bfloat16 without
+AVX512_BF16, AMX or ARM BF16, see ``cadence.cpu_features``) is skipped, in
+every system and in the roofline's GEMM, unless ``--include-emulated`` asks
+for it; then its rows are marked "emulated" and its GEMM is timed on a small
+matrix (an AVX2 EPYC emulates bfloat16 at ~1 GFLOP/s: the 4096-square GEMM
+took minutes a product). The packed oneDNN GEMM is timed only where oneDNN
+packs that dtype here. A child that fails, or runs past ``--timeout``, is a
+row saying "failed: <the last line of its stderr>"; the rest still runs.
+``CADENCE_HIDE_CPU_FEATURES`` (e.g. ``avx512,amx`` or ``onednn``) reaches the
+children, so a machine can be measured as a lesser one.
+
 Every system gets the same prompt token ids (checked against the ids stored
 in the workload file), runs one small warm-up generation on unrelated ids,
 then the timed one; every prompt must get exactly max_tokens tokens.
@@ -30,6 +42,7 @@ that exceeds --max-others; the table lists every run.
     python bench/throughput.py                             # the whole table (minutes)
     python bench/throughput.py --quick                     # 8 prompts x 32 tokens
     python bench/throughput.py --systems cadence,roofline --dtypes bfloat16
+    python bench/throughput.py --dtypes bfloat16 --include-emulated   # bf16 on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -37,19 +50,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 WORKLOAD = "cpu-throughput-v1"
 WORKLOAD_FILE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / f"{WORKLOAD}.json"
 SYSTEMS = ("cadence", "hf-static", "hf-cb", "roofline")
 DTYPES = ("float32", "bfloat16")
-SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 NUM_THREADS = 2
 MAX_TOKENS = 128
 QUICK_PROMPTS, QUICK_TOKENS = 8, 32
@@ -63,17 +74,24 @@ RESULT_MARK = "RESULT "
 # Two threads on two cores: another busy process stalls every OpenMP barrier.
 QUIET_CORES = 0.25
 QUIET_WINDOW_S = 3.0
+CHILD_TIMEOUT_S = 1800.0  # the whole table's slowest child (hf-static fp32) takes a few minutes
 
 
 @dataclass(frozen=True)
 class Job:
-    """What a child process runs: one system in one dtype on these prompts."""
+    """What a child process runs: one system in one dtype on these prompts
+    (the roofline: the GEMM of each of ``gemm_dtypes``)."""
 
     system: str
     dtype: str
     prompt_ids: list[list[int]]
     max_tokens: int
     model_path: str
+    gemm_dtypes: list[str] = field(default_factory=list)
+
+
+class RunFailed(RuntimeError):
+    """A child that exited non-zero, printed no result, ran too long, or got the wrong tokens."""
 
 
 # ==================================================================== children
@@ -275,14 +293,25 @@ def run_hf_cb(job: Job) -> dict:
 
 
 def run_roofline(job: Job) -> dict:
-    import torch
-
-    from roofline import measure_bandwidth, measure_gemm
+    """Bandwidth, and the GEMM of only the dtypes the parent chose (those this CPU runs)."""
+    from roofline import measure_bandwidth
 
     watch = CpuWatch()
     bandwidth = measure_bandwidth()
-    gflops = {name: measure_gemm(getattr(torch, name)) for name in DTYPES}
-    return {**bandwidth, "gflops": gflops, "tok_s": 0.0, **watch.read()}
+    gemm = {name: _gemm_or_failure(name) for name in job.gemm_dtypes}
+    return {**bandwidth, "gemm": gemm, "tok_s": 0.0, **watch.read()}
+
+
+def _gemm_or_failure(dtype_name: str) -> dict:
+    """One dtype's GEMM figure, or why it failed: one dtype must not cost the bandwidth."""
+    import torch
+
+    from roofline import measure_gemm
+
+    try:
+        return measure_gemm(getattr(torch, dtype_name))
+    except RuntimeError as error:
+        return {"failed": _last_line(str(error)) or type(error).__name__}
 
 
 CHILD_RUNNERS = {
@@ -313,19 +342,27 @@ def workload_prompt_ids(model_path: str, num_prompts: int) -> list[list[int]]:
     return prompt_ids
 
 
-def run_job(job: Job, verbose: bool) -> dict:
-    """One system in a fresh interpreter; its RESULT line parsed."""
+def run_job(job: Job, verbose: bool, timeout_s: float) -> dict:
+    """One system in a fresh interpreter; its RESULT line parsed, or ``RunFailed``
+    with the last line of its stderr (a traceback ends with the error)."""
     command = [sys.executable, __file__, "--child", job.system, "--dtype", job.dtype]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        command, input=json.dumps(job.__dict__), capture_output=True, text=True, env=env
-    )
+    try:
+        proc = subprocess.run(command, input=json.dumps(job.__dict__), capture_output=True,
+                              text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"timed out after {timeout_s:.0f} s (--timeout)") from None
     if verbose or proc.returncode:
         sys.stderr.write(proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if proc.returncode or not lines:
-        raise RuntimeError(f"{job.system} {job.dtype} failed (exit {proc.returncode})")
+        raise RunFailed(_last_line(proc.stderr) or f"exit {proc.returncode}, no result")
     return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def measure(job: Job, args: argparse.Namespace, label: str) -> dict:
@@ -335,15 +372,24 @@ def measure(job: Job, args: argparse.Namespace, label: str) -> dict:
     during which other processes kept more than ``args.max_others`` cores
     busy (two threads on two cores stall at every OpenMP barrier then) is
     run again, up to ``args.max_attempts`` runs in all. Reported: the fastest
-    undisturbed run, else the fastest run.
+    undisturbed run, else the fastest run. A failed run ends the attempts (a
+    failure repeats; a timed-out one would cost its timeout again); with no
+    run done, the result is ``{"failed": why}``.
     """
     runs: list[dict] = []
     while len(runs) < args.max_attempts and len(_undisturbed(runs, args)) < args.repeats:
         others = wait_for_quiet(args.wait_quiet)
         print(f"running {label} (others busy {others:.2f} cores) ...", file=sys.stderr, flush=True)
-        result = run_job(job, args.verbose)
+        try:
+            result = run_job(job, args.verbose, args.timeout)
+            if job.system != "roofline":
+                check_tokens(label, result, job)
+        except RunFailed as error:
+            print(f"  {label} failed: {error}", file=sys.stderr, flush=True)
+            if not runs:
+                return {"failed": str(error)}
+            break
         if job.system != "roofline":
-            check_tokens(label, result, job)
             print(f"  {result['tok_s']:,.0f} tok/s, {result['wall_s']:.1f} s, peak RSS "
                   f"{result['peak_rss_mib']:,.0f} MiB, others {result['others_cores']:.2f} cores",
                   file=sys.stderr, flush=True)
@@ -364,7 +410,8 @@ def _best_machine(runs: list[dict]) -> dict:
     best = dict(runs[0])
     for key in ("copy_gbs", "read_gbs", "bandwidth_gbs"):
         best[key] = max(r[key] for r in runs)
-    best["gflops"] = {d: max(r["gflops"][d] for r in runs) for d in DTYPES}
+    best["gemm"] = {d: max((r["gemm"][d] for r in runs), key=lambda g: g.get("gflops", -1.0))
+                    for d in runs[0]["gemm"]}
     best["others_cores"] = min(r["others_cores"] for r in runs)
     return best
 
@@ -381,10 +428,10 @@ def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES) -> float:
 
 
 def check_tokens(label: str, result: dict, job: Job) -> None:
-    """Every prompt got exactly max_tokens new tokens."""
+    """Every prompt got exactly max_tokens new tokens (else the run is a failed row)."""
     expected = [job.max_tokens] * len(job.prompt_ids)
-    assert result["token_counts"] == expected, f"{label}: token counts {result['token_counts']}"
-    assert result["num_tokens"] == len(job.prompt_ids) * job.max_tokens
+    if result["token_counts"] != expected:
+        raise RunFailed(f"{label}: token counts {result['token_counts']}, expected {job.max_tokens} each")
 
 
 def uptime() -> str:
@@ -395,8 +442,40 @@ def uptime() -> str:
         return f"load average: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}"
 
 
+@dataclass(frozen=True)
+class DtypePlan:
+    """The dtypes this run measures, which of them the CPU only emulates, and what it left out."""
+
+    run: list[str]
+    emulated: dict[str, str] = field(default_factory=dict)  # dtype -> why (marked in the tables)
+    skipped: dict[str, str] = field(default_factory=dict)  # dtype -> why it was not run
+
+
+def plan_dtypes(requested: list[str] | None, include_emulated: bool, features=None) -> DtypePlan:
+    """The dtypes asked for (default: all), less those this CPU computes in software
+    unless ``include_emulated``: an emulated bfloat16 table takes tens of minutes and
+    measures the emulation, not the engine."""
+    import torch
+
+    from cadence import cpu_features
+    from cadence.runner.cpu_paths import emulation_note
+
+    features = cpu_features.detect() if features is None else features
+    plan = DtypePlan([])
+    for name in requested or DTYPES:
+        note = emulation_note(getattr(torch, name), features)
+        if note is None or include_emulated:
+            plan.run.append(name)
+            if note is not None:
+                plan.emulated[name] = note
+        else:
+            plan.skipped[name] = f"{note}; --include-emulated measures it anyway"
+    return plan
+
+
 def roofline_rows(machine: dict, model_path: str, prompt_ids: list[list[int]], max_tokens: int) -> dict:
-    """Per dtype: the workload's compute-bound, memory-bound and overall bound."""
+    """Per dtype whose GEMM was measured: the workload's compute-bound, memory-bound
+    and overall bound."""
     import torch
 
     from cadence.models.gguf_loader import gguf_model_config, read_gguf
@@ -404,11 +483,13 @@ def roofline_rows(machine: dict, model_path: str, prompt_ids: list[list[int]], m
 
     config = gguf_model_config(*read_gguf(model_path))
     rows = {}
-    for dtype in DTYPES:
+    for dtype, gemm in machine["gemm"].items():
+        if "gflops" not in gemm:
+            continue  # failed: the machine line says why
         cost = workload_cost(config, [len(p) for p in prompt_ids], max_tokens, getattr(torch, dtype))
         rows[dtype] = {
-            **cost.bound(machine["gflops"][dtype], machine["bandwidth_gbs"]),
-            "gflops": machine["gflops"][dtype],
+            **cost.bound(gemm["gflops"], machine["bandwidth_gbs"]),
+            "gflops": gemm["gflops"],
             "tflop_total": cost.flops / 1e12,
             "gb_total": cost.bytes / 1e9,
             "weight_mb_per_step": cost.weight_bytes_per_step / 1e6,
@@ -417,74 +498,21 @@ def roofline_rows(machine: dict, model_path: str, prompt_ids: list[list[int]], m
     return rows
 
 
-def print_report(results: dict, roofline: dict | None, machine: dict | None, header: dict) -> None:
-    print(f"# workload {header['workload']} (name cpu-throughput, version {header['version']})")
-    print(f"# {header['num_prompts']} prompts x {header['max_tokens']} new tokens, greedy, "
-          f"EOS ignored, {NUM_THREADS} threads; python {platform.python_version()}, "
-          f"torch {header['torch']}, transformers {header['transformers']}")
-    print(f"# cpu: {header['cpu']}")
-    print(f"# load at start: {header['uptime_start']}")
-    print(f"# load at end:   {header['uptime_end']}")
-    print()
-    print("| system | dtype | output tok/s | wall s | peak RSS MiB | load s | CPU util "
-          "| other procs (cores) | all runs: tok/s (other procs) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    for (system, dtype), r in results.items():
-        runs = ", ".join(f"{tok_s:,.0f} ({others:.2f})" for tok_s, others in r["runs"])
-        print(f"| {system} | {SHORT_DTYPE[dtype]} | {r['tok_s']:,.0f} | {r['wall_s']:.1f} "
-              f"| {r['peak_rss_mib']:,.0f} | {r['load_s']:.1f} | {r['cpu_util']:.2f} "
-              f"| {r['others_cores']:.2f} | {runs} |")
-    if roofline:
-        print()
-        print(f"machine: copy {machine['copy_gbs']:.1f} GB/s (read+write), read {machine['read_gbs']:.1f} GB/s "
-              f"-> bandwidth {machine['bandwidth_gbs']:.1f} GB/s; GEMM "
-              + ", ".join(f"{SHORT_DTYPE[d]} {machine['gflops'][d]:.0f} GFLOP/s" for d in DTYPES)
-              + f" (other procs {machine['others_cores']:.2f} cores)")
-        print()
-        print("| dtype | weights MB/step | KV GB read | total GB | total TFLOP "
-              "| compute-bound tok/s | memory-bound tok/s | roofline tok/s |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for dtype, r in roofline.items():
-            print(f"| {SHORT_DTYPE[dtype]} | {r['weight_mb_per_step']:.0f} | {r['kv_gb_read']:.2f} "
-                  f"| {r['gb_total']:.1f} | {r['tflop_total']:.2f} | {r['compute_tok_s']:,.0f} "
-                  f"| {r['memory_tok_s']:,.0f} | {r['roofline_tok_s']:,.0f} |")
-    print_ratios(results, roofline)
-
-
-def print_ratios(results: dict, roofline: dict | None) -> None:
-    rows = []
-    for dtype in DTYPES:
-        ours = results.get(("cadence", dtype))
-        if ours is None:
-            continue
-        cells = []
-        for system, target in (("hf-static", 1.3), ("hf-cb", 4.0)):
-            other = results.get((system, dtype))
-            cells.append(_ratio_cell(ours["tok_s"], other["tok_s"], target) if other else "—")
-        bound = roofline.get(dtype) if roofline else None
-        cells.append(_ratio_cell(ours["tok_s"], bound["roofline_tok_s"], 0.4, percent=True) if bound else "—")
-        rows.append(f"| {SHORT_DTYPE[dtype]} | " + " | ".join(cells) + " |")
-    if rows:
-        print()
-        print("| dtype | cadence / hf static (target ≥ 1.3×) | cadence / hf continuous batching "
-              "(target ≥ 4×) | cadence / roofline (target ≥ 40%) |")
-        print("|---|---:|---:|---:|")
-        print("\n".join(rows))
-
-
-def _ratio_cell(ours: float, other: float, target: float, percent: bool = False) -> str:
-    ratio = ours / other
-    text = f"{ratio:.0%}" if percent else f"{ratio:.2f}×"
-    return text + (" ✓" if ratio >= target else " ✗")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: {QUICK_PROMPTS} prompts x {QUICK_TOKENS} tokens")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated subset of {','.join(DTYPES)}")
+    parser.add_argument("--dtypes", default=None,
+                        help=f"comma-separated subset of {','.join(DTYPES)} (default: those this CPU "
+                             f"computes natively: float32, and bfloat16 where it has AVX512_BF16, AMX "
+                             f"or ARM BF16)")
+    parser.add_argument("--include-emulated", action="store_true",
+                        help="also measure dtypes this CPU only emulates (bfloat16 on AVX2-only x86): "
+                             "slow, marked emulated, the GEMM on a small matrix")
+    parser.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, metavar="SECONDS",
+                        help="a child running longer is stopped and its row says so")
     parser.add_argument("--repeats", type=int, default=1,
                         help="undisturbed runs wanted per system (each in a fresh process); "
                              "the fastest is reported")
@@ -502,7 +530,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = _subset(parser, "systems", args.systems, SYSTEMS)
-    args.dtypes = _subset(parser, "dtypes", args.dtypes, DTYPES)
+    args.dtypes = None if args.dtypes is None else _subset(parser, "dtypes", args.dtypes, DTYPES)
     return args
 
 
@@ -519,47 +547,59 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         run_child(args.child, args.dtype)
         return
-    import torch
-    import transformers
-
     from cadence.models.loader import default_model_path
+    from throughput_report import dtype_label, print_report
 
     model_path = args.model or default_model_path()
     num_prompts, max_tokens = (QUICK_PROMPTS, QUICK_TOKENS) if args.quick else (64, MAX_TOKENS)
     prompt_ids = workload_prompt_ids(model_path, num_prompts)
-    header = {
-        "workload": WORKLOAD, "version": WORKLOAD.rsplit("-", 1)[1].lstrip("v"),
-        "num_prompts": num_prompts, "max_tokens": max_tokens, "cpu": _cpu_name(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "uptime_start": uptime(),
-    }
+    plan = plan_dtypes(args.dtypes, args.include_emulated)
+    header = make_header(num_prompts, max_tokens)
     results, machine = {}, None
     if "roofline" in args.systems:
-        machine = measure(Job("roofline", "float32", [], 0, model_path), args, "roofline")
-    for dtype in args.dtypes:
+        job = Job("roofline", "float32", [], 0, model_path, gemm_dtypes=plan.run)
+        machine = measure(job, args, "roofline")
+    for dtype in plan.run:
         for system in args.systems:
             if system != "roofline":
                 job = Job(system, dtype, prompt_ids, max_tokens, model_path)
-                results[(system, dtype)] = measure(job, args, f"{system} {SHORT_DTYPE[dtype]}")
+                results[(system, dtype)] = measure(job, args, f"{system} {dtype_label(dtype, plan)}")
     header["uptime_end"] = uptime()
-    roofline = roofline_rows(machine, model_path, prompt_ids, max_tokens) if machine else None
-    print_report(results, roofline, machine, header)
+    roofline = None
+    if machine and "failed" not in machine:
+        roofline = roofline_rows(machine, model_path, prompt_ids, max_tokens)
+    print_report(results, roofline, machine, header, plan)
     if args.json:
         payload = {
-            "header": header, "machine": machine, "roofline": roofline,
+            "header": header, "plan": plan.__dict__, "machine": machine, "roofline": roofline,
             "results": [{"system": s, "dtype": d, **r} for (s, d), r in results.items()],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2))
 
 
-def _cpu_name() -> str:
+def make_header(num_prompts: int, max_tokens: int) -> dict:
+    """What the report names: the workload, the CPU as cadence sees it (model, the
+    flags that pick paths, any hidden), and the library versions."""
+    import torch
+
+    from cadence import cpu_features
+
+    return {
+        "workload": WORKLOAD, "version": WORKLOAD.rsplit("-", 1)[1].lstrip("v"),
+        "num_prompts": num_prompts, "max_tokens": max_tokens, "num_threads": NUM_THREADS,
+        "cpu": f"{cpu_features.detect().describe()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__, "transformers": _version("transformers"), "uptime_start": uptime(),
+    }
+
+
+def _version(package: str) -> str:
+    """The installed version, or "not installed" (only the hf rows need transformers)."""
+    from importlib import metadata
+
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f", {os.cpu_count()} CPUs"
-    except OSError:
-        pass
-    return "unknown"
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 if __name__ == "__main__":

@@ -46,16 +46,20 @@ class SchedulerConfig:
     )
     policy: str = option("fcfs", "Queue order: fcfs, or priority (lower value first).")
     async_scheduling: bool = option(
-        False, "Schedule the next step while the current one runs (output placeholders)."
+        False, "Schedule the next step while the current one runs (output placeholders). "
+               "Scheduler only: engines refuse it until they overlap steps."
     )
     max_num_encoder_input_tokens: int | None = option(
-        None, "Encoder-input token budget per step (default: max_num_batched_tokens)."
+        None, "Encoder-input token budget per step (default: max_num_batched_tokens). "
+              "Scheduler only: engines refuse it until a multimodal model can be served."
     )
     encoder_cache_size: int | None = option(
-        None, "Encoder outputs, in tokens, kept until the decoder consumed them (default: the budget)."
+        None, "Encoder outputs, in tokens, kept until the decoder consumed them (default: the "
+              "budget). Scheduler only: engines refuse it until a multimodal model can be served."
     )
     disable_chunked_mm_input: bool = option(
-        False, "Never split a multimodal item's placeholder tokens across steps."
+        False, "Never split a multimodal item's placeholder tokens across steps. "
+               "Scheduler only: engines refuse it until a multimodal model can be served."
     )
     admission_safety_margin: float = option(
         0.0,
@@ -69,7 +73,8 @@ class SchedulerConfig:
         None, "Per-step budget of KV-cache tokens read by attention (None: no budget)."
     )
     sliding_window: int | None = option(
-        None, "Attention window of the model; caps what one request reads from the KV cache."
+        None, "Attention window (default: the model's own): each token attends to the last "
+              "this many; caps what one request reads from the KV cache."
     )
 
     def __post_init__(self) -> None:
@@ -125,6 +130,18 @@ class CacheConfig:
     enable_kv_cache_events: bool = option(
         False, "Record stored/removed block events (for prefix-aware routing)."
     )
+    kv_events_endpoint: str = option(
+        "tcp://*:5557",
+        "ZMQ PUB address of the KV events: bound if a wildcard (*, ::, 0.0.0.0), ipc:// "
+        "or inproc://, else connected to (a subscriber bound there).",
+    )
+    kv_events_replay_endpoint: str | None = option(
+        None, "ZMQ ROUTER address (bound) that resends buffered KV event batches on request."
+    )
+    kv_events_topic: str = option("", "Topic frame of every KV event message.")
+    kv_events_buffer_steps: int = option(
+        10000, "KV event batches (one per engine step) kept for replay."
+    )
     kv_cache_memory: str | None = option(
         None, "KV-cache memory budget: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.3)."
     )
@@ -138,6 +155,11 @@ class CacheConfig:
             "prefix_caching_hash_algo",
             f"must be one of {PREFIX_HASH_ALGOS}",
         )
+        _require("://" in self.kv_events_endpoint, "kv_events_endpoint", "must be a ZMQ address")
+        if self.kv_events_replay_endpoint is not None:
+            _require("://" in self.kv_events_replay_endpoint, "kv_events_replay_endpoint",
+                     "must be a ZMQ address")
+        _require(self.kv_events_buffer_steps >= 1, "kv_events_buffer_steps", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -145,7 +167,10 @@ class SpeculativeConfig:
     """Speculative decoding: drafts verified by the target model in one step."""
 
     num_speculative_tokens: int = option(3, "Draft tokens proposed per request per step.")
-    method: str = option("ngram", "Drafter: ngram (prompt lookup), eagle, eagle3, mtp, draft_model.")
+    method: str = option(
+        "ngram", "Drafter: ngram (prompt lookup). eagle, eagle3, mtp and draft_model are "
+                 "scheduled (lookahead slots) but engines refuse them until a drafter exists."
+    )
     prompt_lookup_min: int = option(1, "Shortest n-gram the ngram drafter matches.")
     prompt_lookup_max: int = option(3, "Longest n-gram the ngram drafter matches.")
 
@@ -174,7 +199,7 @@ class LoRAConfig:
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -184,7 +209,11 @@ class EngineConfig:
     model: str | None = option(
         None, "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
     )
-    dtype: str = option("bfloat16", "Weights and KV-cache dtype: float32, bfloat16 or float16.")
+    dtype: str = option(
+        "auto",
+        "Weights and KV-cache dtype: auto (bfloat16 where the CPU computes it natively, "
+        "float32 elsewhere; on a GPU the checkpoint's own), float32, bfloat16 or float16.",
+    )
     device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice).")
     seed: int = option(0, "Seed of the sampler's default generator.")
@@ -205,6 +234,9 @@ class EngineOptions:
     scheduler: SchedulerConfig
     cache: CacheConfig
     speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        refuse_undelivered(self.scheduler, self.speculative)
 
     @classmethod
     def from_kwargs(cls, **options: Any) -> "EngineOptions":
@@ -230,6 +262,30 @@ class EngineOptions:
             cache=CacheConfig(**groups[CacheConfig]),
             speculative=speculative,
         )
+
+
+# Scheduler features no runner delivers yet. The scheduler implements them
+# (its unit tests set them on SchedulerConfig), but an engine given them
+# would accept the option and silently do nothing, so engines refuse them.
+UNDELIVERED_SCHEDULER_OPTIONS = {
+    "async_scheduling": "not supported yet: the engine does not overlap steps "
+                        "(it schedules, executes and updates in turn)",
+    "max_num_encoder_input_tokens": "not supported yet: no multimodal model can be served",
+    "encoder_cache_size": "not supported yet: no multimodal model can be served",
+    "disable_chunked_mm_input": "not supported yet: no multimodal model can be served",
+}
+DELIVERED_SPEC_METHODS = ("ngram",)
+
+
+def refuse_undelivered(scheduler: SchedulerConfig, speculative: SpeculativeConfig | None) -> None:
+    """Raise ``ValueError`` naming the first option an engine would accept and ignore."""
+    defaults = SchedulerConfig()
+    for name, reason in UNDELIVERED_SCHEDULER_OPTIONS.items():
+        if getattr(scheduler, name) != getattr(defaults, name):
+            raise ValueError(f"{name}: {reason}")
+    if speculative is not None and speculative.method not in DELIVERED_SPEC_METHODS:
+        raise ValueError(f"method: speculative method {speculative.method!r} is not supported yet "
+                         f"(supported: {', '.join(DELIVERED_SPEC_METHODS)})")
 
 
 def _field_names(cls: type) -> set[str]:

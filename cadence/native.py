@@ -1,9 +1,11 @@
 """C kernels for the CPU, compiled on first use and loaded through ctypes.
 
 The sources live in ``cadence/csrc`` (one library per ``<name>.c``). Each is
-built with the machine's C compiler (``-O3 -march=native -fopenmp``) into a
+built with the machine's C compiler (``-O3 -march=<arch> -fopenmp``) into a
 cache folder, keyed by the sources, the flags and the CPU, so a second
-process loads it in milliseconds:
+process loads it in milliseconds. ``<arch>`` is ``native`` unless CPU
+features are hidden (``cadence.cpu_features``): then it is the generic level
+those features allow, so a build for a lesser machine runs on this one:
 
     $CADENCE_CACHE_DIR (default ~/.cache/cadence)/kernels/<name>-<key>.so
 
@@ -35,21 +37,22 @@ CSRC = Path(__file__).parent / "csrc"
 # -fassociative-math (with the two it needs) lets the compiler vectorise
 # sums; no -ffast-math: it would also assume no inf or NaN.
 CFLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+    "-O3", "-fopenmp", "-fPIC", "-shared",
     "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
 )
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The library built from ``csrc/<name>.c``, or None (disabled, no compiler, failed build).
+def load(name: str, march: str = "native") -> ctypes.CDLL | None:
+    """The library built from ``csrc/<name>.c`` for ``-march=<march>``, or None
+    (disabled, no compiler, failed build).
 
-    A failed build warns once per process and name.
+    A failed build warns once per process, name and arch.
     """
     if os.environ.get("CADENCE_NATIVE", "1") == "0":
         return None
     try:
-        return ctypes.CDLL(str(build(name)))
+        return ctypes.CDLL(str(build(name, march)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or ""
         warnings.warn(f"cadence: native {name} unavailable ({error}) {detail[-500:]}; "
@@ -57,12 +60,13 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def build(name: str) -> Path:
+def build(name: str, march: str = "native") -> Path:
     """Compile ``csrc/<name>.c`` unless the cache already holds this exact build."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    target = _cache_dir() / f"{name}-{_build_key(compiler)}.so"
+    flags = (f"-march={march}", *CFLAGS)
+    target = _cache_dir() / f"{name}-{_build_key(compiler, flags)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -70,26 +74,29 @@ def build(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, *CFLAGS, "-o", str(built), str(CSRC / f"{name}.c"), "-lm"],
+            [compiler, *flags, "-o", str(built), str(CSRC / f"{name}.c"), "-lm"],
             check=True, capture_output=True, text=True,
         )
         os.replace(built, target)
     return target
 
 
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     """Hash of everything a binary depends on: the sources, compiler, flags, CPU."""
     digest = hashlib.sha256()
     for source in sorted(CSRC.glob("*.[ch]")):
         digest.update(source.name.encode())
         digest.update(source.read_bytes())
-    digest.update(" ".join((compiler, *CFLAGS)).encode())
+    digest.update(" ".join((compiler, *flags)).encode())
     digest.update(_cpu_signature().encode())
     return digest.hexdigest()[:16]
 
 
 def _cpu_signature() -> str:
-    """The CPU's model and feature flags (``-march=native`` depends on them)."""
+    """The CPU's model and feature flags (``-march=native`` depends on them).
+
+    All of them, hidden ones included: the hidden set already picked ``march``.
+    """
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -16,12 +16,13 @@ import torch
 from cadence.config import EngineOptions, parse_memory
 from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore
-from cadence.models import ModelConfig, Tokenizer, load_model
+from cadence.engine.kv_events import publisher_for
+from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
+from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
 from cadence.runner.model_runner import ModelRunner
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, or a quarter of free memory if less
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -41,7 +42,7 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
         torch.set_num_threads(engine_config.num_threads)
     torch.manual_seed(engine_config.seed)
     device = resolve_device(engine_config.device)
-    dtype = _DTYPES[engine_config.dtype]
+    dtype = _resolve_dtype(engine_config, device)
     model, tokenizer, model_config = load_model(engine_config.model, dtype)
     model.to(device)
     max_model_len = min(options.scheduler.max_model_len, model_config.max_position_embeddings)
@@ -61,7 +62,7 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
     print(
         f"cadence: KV cache {num_blocks} blocks x {cache_config.block_size} tokens = "
         f"{num_blocks * cache_config.block_size} tokens, {num_blocks * block_bytes / 2**20:.0f} MiB "
-        f"({engine_config.dtype}, {device})",
+        f"({str(dtype).removeprefix('torch.')}, {device})",
         file=log,
     )
     scheduler = Scheduler(
@@ -71,9 +72,25 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
         model, model_config, block_size=cache_config.block_size, num_blocks=num_blocks,
         dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
         device=device, speculative_config=options.speculative,
+        sliding_window=scheduler_config.sliding_window,
     )
-    options = dataclasses.replace(options, scheduler=scheduler_config, cache=cache_config)
-    return Engine(EngineCore(scheduler, runner), tokenizer, model_config, options, max_model_len)
+    if runner.cpu_paths is not None:
+        log_cpu_choice(dtype, runner.cpu_paths, log=log)
+    # The options as they ran: dtype "auto" made concrete, the cache sized.
+    engine_config = dataclasses.replace(engine_config, dtype=str(dtype).removeprefix("torch."))
+    options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,
+                                  cache=cache_config)
+    # Last: the publisher binds its socket (None when KV cache events are off).
+    core = EngineCore(scheduler, runner, event_publisher=publisher_for(cache_config))
+    return Engine(core, tokenizer, model_config, options, max_model_len)
+
+
+def _resolve_dtype(engine_config, device: torch.device) -> torch.dtype:
+    """The dtype option made concrete; ``auto`` on a GPU reads the checkpoint's own."""
+    stored = None
+    if engine_config.dtype == "auto" and device.type == "cuda":
+        stored = checkpoint_dtype(engine_config.model)
+    return resolve_dtype(engine_config.dtype, device, checkpoint_dtype=stored)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -6,29 +6,50 @@
 
 The runner is whatever executes a batch (the real model runner, or the
 simulator's); the engine core does not know which.
+
+After every step the core takes the scheduler's KV-cache events and hands
+them to the event publisher as one batch, or drops them when it has none:
+events never pile up in the scheduler.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+import time
+from typing import Any, Iterable, Protocol
 
 from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput
 from cadence.core.request import Request, RequestStatus
 from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.output import SchedulerOutput
+from cadence.engine.kv_events import KVEventBatch
 
 
 class Runner(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class EventPublisher(Protocol):
+    def publish(self, batch: KVEventBatch) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 class EngineCore:
     """A scheduler and a runner, stepped together."""
 
-    def __init__(self, scheduler: SchedulerInterface, runner: Runner) -> None:
+    def __init__(
+        self,
+        scheduler: SchedulerInterface,
+        runner: Runner,
+        *,
+        event_publisher: EventPublisher | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.event_publisher = event_publisher
         self.num_steps = 0
+        # Cache events are the Scheduler's, outside the scheduler contract.
+        self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -47,7 +68,30 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (refused while blocks are owned); the
+        AllBlocksCleared event is published now, not at the next step."""
+        ok = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        try:
+            self.scheduler.shutdown()
+        finally:
+            if self.event_publisher is not None:
+                self._publish_kv_events()
+                self.event_publisher.close()
+
+    def _publish_kv_events(self) -> None:
+        """Take the scheduler's cache events: one batch to the publisher, or
+        dropped without one (so an offline engine's memory stays bounded)."""
+        if self._take_kv_events is None:
+            return
+        events = self._take_kv_events()
+        if events and self.event_publisher is not None:
+            self.event_publisher.publish(KVEventBatch(ts=time.time(), events=events))

@@ -25,7 +25,7 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generate completions for a batch of prompts with continuous batching."""
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, dtype=dtype, **engine_options)
         self.engine: Engine = build_engine(self.options)
         self.tokenizer = self.engine.tokenizer

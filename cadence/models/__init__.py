@@ -15,6 +15,7 @@ _EXPORTS = {
     "LlamaForCausalLM": "cadence.models.llama",
     "ModelConfig": "cadence.models.config",
     "Tokenizer": "cadence.models.tokenizer",
+    "checkpoint_dtype": "cadence.models.loader",
     "default_model_path": "cadence.models.loader",
     "load_model": "cadence.models.loader",
 }

@@ -96,7 +96,7 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 @functools.cache
-def fused_ops() -> FusedOps | None:
+def fused_ops(march: str = "native") -> FusedOps | None:
     """The compiled functions, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
-    library = native.load("fused_ops")
+    library = native.load("fused_ops", march)
     return None if library is None else FusedOps(library)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import torch
@@ -36,6 +37,29 @@ def load_model(
         model, config = load_hf_model(path, dtype)
         return model, Tokenizer.from_directory(path), config
     raise ValueError(f"cannot load {path!r}: expected a .gguf file or a Hugging Face model folder")
+
+
+_GGUF_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_HF_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_dtype(path: str | None = None) -> torch.dtype | None:
+    """The float dtype the checkpoint stores its weights in, or None (quantized, unknown).
+
+    GGUF: the type of the token embedding; Hugging Face: config.json's
+    ``torch_dtype`` (or ``dtype``).
+    """
+    path = default_model_path() if path is None else path
+    if path.endswith(".gguf"):
+        reader, _ = read_gguf(path)
+        embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        return None if embedding is None else _GGUF_FLOAT_TYPES.get(embedding.tensor_type.name)
+    config_path = os.path.join(path, "config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        return _HF_DTYPES.get(config.get("torch_dtype") or config.get("dtype"))
+    return None
 
 
 def default_model_path() -> str:

@@ -27,12 +27,11 @@ import torch
 
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from cadence.models.fused_ops import fused_ops
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
-from cadence.runner.native import PagedAttentionKernel, paged_attention
+from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
 from cadence.runner.ngram_drafter import NgramDrafter
 from cadence.runner.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from cadence.runner.sampling_metadata import SamplingMetadata, make_generator
@@ -57,17 +56,19 @@ class ModelRunner:
         max_model_len: int,
         device: str | torch.device = "cpu",
         speculative_config: "SpeculativeConfig | None" = None,
-        cpu_kernels: bool = True,
+        cpu_paths: CpuPaths | None = None,
+        sliding_window: int | None = None,
     ) -> None:
-        """``cpu_kernels`` (on a CPU device): pack the matmul weights for oneDNN,
-        and use the C kernels for attention and the elementwise steps where
-        they build (``cadence.native``); False keeps plain PyTorch."""
+        """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
+        matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
+        can do, ``CpuPaths.plain()`` for plain PyTorch. ``sliding_window``: the
+        attention window (default: the model's own)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        self.sliding_window = model_config.sliding_window
+        self.sliding_window = sliding_window or model_config.sliding_window
         self.kv_cache = PagedKVCache.for_model(
             model_config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
         )
@@ -82,14 +83,19 @@ class ModelRunner:
         self.sampler = Sampler()
         self.drafter = _make_drafter(speculative_config)
         self.attention_kernel = None
+        self.cpu_paths = None
         if self.device.type == "cpu":
             keep_freed_memory()
-            if cpu_kernels:
-                model.pack_weights()
-                ops = fused_ops()
-                if ops is not None and ops.supports(dtype):
-                    model.use_fused_ops(ops)
-                self.attention_kernel = _native_attention(self.device, dtype)
+            self.cpu_paths = choose_cpu_paths(dtype) if cpu_paths is None else cpu_paths
+            self._use_cpu_paths(self.cpu_paths, dtype)
+
+    def _use_cpu_paths(self, paths: CpuPaths, dtype: torch.dtype) -> None:
+        if paths.pack_weights:
+            self.model.pack_weights()
+        if paths.fused_ops is not None and paths.fused_ops.supports(dtype):
+            self.model.use_fused_ops(paths.fused_ops)
+        kernel = paths.attention_kernel
+        self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
 
     # ------------------------------------------------------------ the step
 
@@ -342,14 +348,6 @@ def _logprobs_lists(
         logprobs[s] = all_logprobs[row][: 1 + k]
         ranks[s] = all_ranks[row]
     return LogprobsLists(token_ids, logprobs, ranks)
-
-
-def _native_attention(device: torch.device, dtype: torch.dtype) -> PagedAttentionKernel | None:
-    """The compiled short-query attention kernel when it serves this device and dtype."""
-    if device.type != "cpu":
-        return None
-    kernel = paged_attention()
-    return kernel if kernel is not None and kernel.supports(dtype) else None
 
 
 def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:

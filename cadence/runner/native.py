@@ -65,7 +65,7 @@ class PagedAttentionKernel:
 
 
 @functools.cache
-def paged_attention() -> PagedAttentionKernel | None:
+def paged_attention(march: str = "native") -> PagedAttentionKernel | None:
     """The compiled kernel, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
-    library = native.load("paged_attention")
+    library = native.load("paged_attention", march)
     return None if library is None else PagedAttentionKernel(library)

@@ -154,6 +154,9 @@ class EngineCoreProc:
 
     def _add(self, message: wire.EngineCoreRequest) -> None:
         try:
+            if message.priority and not self.core.scheduler.policy.reads_priority:
+                raise ValueError("priority: this server schedules first come, first served; "
+                                 "start it with --policy priority to use request priorities")
             self.core.add_request(message.to_request(self.engine.max_model_len))
         except ValueError as err:
             error = wire.RequestError(message.request_id, str(err))
@@ -178,7 +181,7 @@ class EngineCoreProc:
                 "num_steps": self.core.num_steps,
             }
         if method == "reset_prefix_cache":
-            return scheduler.reset_prefix_cache()
+            return self.core.reset_prefix_cache()  # publishes AllBlocksCleared at once
         if method == "ping":
             return "pong"
         raise ValueError(f"method: unknown utility {method!r}")

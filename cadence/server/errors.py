@@ -68,6 +68,10 @@ def validation_error_response(err: RequestValidationError) -> JSONResponse:
     path = [p for p in location if not _is_type_name(p)]
     param = ".".join(path) if path else None
     message = first.get("msg", "invalid value")
+    if param is None and first.get("type") == "value_error":
+        # A whole-body check ("logit_bias: not supported yet"): its field leads the message.
+        message = message.removeprefix("Value error, ")
+        return error_response(400, message, field_of(message))
     if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
         message = "the body must be a JSON object"
     return error_response(400, f"{param}: {message}" if param else message, param)

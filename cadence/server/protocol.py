@@ -4,13 +4,16 @@ Pydantic checks types; ``SamplingParams`` checks values and raises
 ``ValueError("field: ...")``, which the server answers with HTTP 400 and
 ``"param": field``. Unknown fields are ignored, as OpenAI's server does;
 vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
+Fields OpenAI or vLLM define that change the answer but cadence does not
+implement yet (``logit_bias``, tool calls, guided decoding, ...) are refused
+with a 400 when set, never silently dropped.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cadence.sampling_params import SamplingParams
 
@@ -21,10 +24,43 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Known fields not implemented yet -> the value that asks for nothing (a
+# request giving another value is refused). None stands for "absent or null".
+_NOT_YET_SUPPORTED: dict[str, Any] = {
+    "logit_bias": None, "prediction": None, "audio": None, "web_search_options": None,
+    "functions": None, "function_call": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "structured_outputs": None,
+    "use_beam_search": False, "length_penalty": None, "bad_words": None,
+    "allowed_token_ids": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+    "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
+    "lora_request": None, "mm_processor_kwargs": None, "kv_transfer_params": None,
+}
+_CHAT_NOT_YET_SUPPORTED: dict[str, Any] = {
+    "echo": False, "continue_final_message": False, "documents": None, "chat_template": None,
+}
+
+
+def _refuse_unsupported(data: Any, table: dict[str, Any]) -> None:
+    if not isinstance(data, dict):
+        return
+    for name, neutral in table.items():
+        value = data.get(name)
+        if value is None or value == neutral or value in ({}, []):
+            continue
+        raise ValueError(f"{name}: not supported yet")
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_yet_supported(cls, data: Any) -> Any:
+        _refuse_unsupported(data, _NOT_YET_SUPPORTED)
+        return data
 
     model: str | None = None
     n: int = 1
@@ -138,9 +174,27 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_chat_not_yet_supported(cls, data: Any) -> Any:
+        _refuse_unsupported(data, _CHAT_NOT_YET_SUPPORTED)
+        return data
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model: none, since no tool call
+        is parsed yet. ``tool_choice: "none"`` (the model must not call one) is
+        served without them; any other use of tools is refused."""
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: tool calls are not supported yet (only \"none\")")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError('tools: tool calls are not supported yet (send tool_choice "none" '
+                             "to answer without them)")
+        return None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

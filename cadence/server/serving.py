@@ -100,12 +100,13 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         params = body.to_sampling_params()
+        tools = body.template_tools()
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
         try:
             text = tokenizer.apply_chat_template(
                 body.conversation(), add_generation_prompt=body.add_generation_prompt,
-                tools=body.tools, **(body.chat_template_kwargs or {}))
+                tools=tools, **(body.chat_template_kwargs or {}))
         except ValueError as err:
             raise ValueError(f"messages: {err}") from None
         token_ids = tokenizer.encode(text, add_special_tokens=False)

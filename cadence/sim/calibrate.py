@@ -185,7 +185,7 @@ def fit_trimmed(
 def calibrate(
     engine: Any = None,
     *,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     num_threads: int | None = None,
     scenarios: Sequence[Scenario] | None = None,
     features: Sequence[str] = CURVE_FEATURES,
@@ -240,7 +240,7 @@ def describe_fit(model: CalibratedCostModel) -> str:
     return f"t = {base} {terms} (mean |rel err| {model.meta['mean_abs_rel_error']:.1%})"
 
 
-def build_default_engine(*, dtype: str = "bfloat16", num_threads: int | None = None, **options: Any):
+def build_default_engine(*, dtype: str = "auto", num_threads: int | None = None, **options: Any):
     """The real engine on the default model (imports torch)."""
     from cadence.config import EngineOptions
     from cadence.engine.builder import build_engine

@@ -74,7 +74,7 @@ def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="calibration.json", metavar="PATH",
                         help="where to write the fitted model (default: calibration.json)")
     parser.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--token-curve", action=argparse.BooleanOptionalAction, default=True,
                         help="fit step time as a piecewise-linear curve of the token count (default), "
@@ -98,6 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     scheduler_cls, cache_cls, workload_cls = _config_classes()
     options = EngineOptions.from_kwargs(**engine_options_from_args(args, (scheduler_cls, cache_cls)))
+    if options.cache.enable_kv_cache_events:
+        raise ValueError("enable_kv_cache_events: not supported yet by the simulator "
+                         "(it would record events and publish none)")
     if args.trace:
         specs = read_trace(args.trace)
         workload: dict[str, Any] = {"trace": args.trace}

@@ -103,3 +103,51 @@ def test_parse_memory_rejects_infinity(value):
 def test_parse_memory_rejects_negative_sizes():
     with pytest.raises(ValueError, match=r"^kv_cache_memory: "):
         parse_memory("-1GiB", available_bytes=8 * GIB)
+
+
+def test_dtype_defaults_to_auto_and_accepts_every_name():
+    assert EngineConfig().dtype == "auto"
+    for name in ("auto", "float32", "bfloat16", "float16"):
+        assert EngineOptions.from_kwargs(dtype=name).engine.dtype == name
+    with pytest.raises(ValueError, match="^dtype:"):
+        EngineOptions.from_kwargs(dtype="float8")
+
+
+@pytest.mark.parametrize("option, value", [
+    ("async_scheduling", True),
+    ("max_num_encoder_input_tokens", 512),
+    ("encoder_cache_size", 1024),
+    ("disable_chunked_mm_input", True),
+])
+def test_scheduler_options_no_engine_delivers_are_refused(option, value):
+    # The scheduler takes them (its own tests set them); an engine would ignore them.
+    SchedulerConfig(**{option: value})
+    with pytest.raises(ValueError, match=f"^{option}: not supported yet"):
+        EngineOptions.from_kwargs(**{option: value})
+    with pytest.raises(ValueError, match=f"^{option}: not supported yet"):
+        EngineOptions(EngineConfig(), SchedulerConfig(**{option: value}), CacheConfig())
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model", "medusa"])
+def test_speculative_methods_without_a_drafter_are_refused(method):
+    assert SpeculativeConfig(method=method).method == method  # the scheduler reserves lookahead for them
+    with pytest.raises(ValueError, match="^method: .* not supported yet"):
+        EngineOptions.from_kwargs(num_speculative_tokens=2, method=method)
+    assert EngineOptions.from_kwargs(num_speculative_tokens=2, method="ngram").speculative.method == "ngram"
+
+
+def test_every_cli_flag_is_delivered_or_refused():
+    """Each generated flag is one the engine uses; the refused ones say so in their help."""
+    import argparse
+
+    from cadence.cli import add_config_options
+    from cadence.config import UNDELIVERED_SCHEDULER_OPTIONS
+
+    parser = argparse.ArgumentParser()
+    add_config_options(parser)
+    help_text = " ".join(parser.format_help().split())
+    for name in UNDELIVERED_SCHEDULER_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        assert flag in help_text
+        after = help_text.rsplit(flag, 1)[1][:400]  # the option listing, past the usage line
+        assert "engines refuse it" in after, name

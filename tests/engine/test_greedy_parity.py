@@ -4,7 +4,8 @@ cadence's greedy token ids must equal transformers' ``generate`` on the same
 GGUF, token for token, for 48 new tokens, however the engine batches: one
 prompt at a time, all prompts in one batch, chunked prefill (64-token
 budget), prefix caching over a shared prefix, and a KV cache small enough
-that requests are preempted and recomputed.
+that requests are preempted and recomputed; and on every CPU path this
+machine can be made to take (``cpu_paths_helpers``).
 """
 
 import pytest
@@ -14,6 +15,7 @@ from cadence import LLM, SamplingParams
 from cadence.models import Tokenizer
 from cadence.models.gguf_loader import read_gguf
 from cadence.models.loader import default_model_path
+from cpu_paths_helpers import CPU_PATHS, hide_cpu_features
 from hf_reference import transformers_reference
 
 NUM_NEW_TOKENS = 48
@@ -82,7 +84,11 @@ def test_one_prompt_at_a_time(prompts, expected):
     assert got == expected
 
 
-def test_all_prompts_in_one_batch(prompts, expected):
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_all_prompts_in_one_batch(prompts, expected, monkeypatch, path):
+    # Every CPU path (AVX2-only, pre-AVX2 C builds, no oneDNN, no C kernels)
+    # on this machine, by hiding its features: each gives transformers' tokens.
+    hide_cpu_features(monkeypatch, *CPU_PATHS[path])
     llm = make_llm(enable_prefix_caching=False)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 

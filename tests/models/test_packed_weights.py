@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cadence import cpu_features
 from cadence.models import packed_weights
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.layers import Linear
@@ -28,11 +29,34 @@ def test_packed_model_matches_dense(dtype, tied):
     num_linears = sum(isinstance(m, Linear) for m in packed.modules())
     # 2 layers x (qkv, o, gate_up, down), plus the LM head: its own Linear or the tied copy.
     assert num_linears == 8 + (0 if tied else 1)
-    assert packed.pack_weights() == 9
+    # Where this CPU cannot pack the dtype (bfloat16 without AVX-512 BW/VL/DQ),
+    # nothing is packed and the dense path computes the same.
+    expected_packed = 9 if packed_weights.packing_works(dtype) else 0
+    assert packed.pack_weights() == expected_packed
     expected, actual = logits_of(dense, IDS), logits_of(packed, IDS)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
     assert actual.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_packing_follows_the_visible_cpu_features():
+    features = cpu_features.detect()
+    assert not packed_weights.packing_works(torch.float16, features)
+    assert not packed_weights.packing_works(torch.float32, cpu_features.with_hidden(features, "onednn"))
+    assert not packed_weights.packing_works(torch.bfloat16, cpu_features.with_hidden(features, "avx512", "avx_ne_convert"))
+    # bfloat16 is packed only where oneDNN supports it here *and* the trial passed.
+    assert packed_weights.packing_works(torch.bfloat16, features) == (
+        features.onednn_bf16 and packed_weights._trial_pack(torch.bfloat16))
+    assert "AVX-512" in packed_weights.why_not_packed(
+        torch.bfloat16, cpu_features.with_hidden(features, "avx512", "avx_ne_convert", "bf16"))
+
+
+def test_a_model_packs_nothing_where_the_probe_says_no(monkeypatch):
+    real = cpu_features.detect()
+    monkeypatch.setattr(cpu_features, "detect", lambda: cpu_features.with_hidden(real, "onednn"))
+    model = random_model(tiny_config(), seed=1)
+    assert model.pack_weights() == 0
+    assert model.model.layers[0].mlp.down_proj.packed_weight is None
 
 
 def test_packing_drops_the_dense_copy_and_is_idempotent():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -63,8 +65,15 @@ def test_rejects_tensors_it_cannot_read():
 
 def test_the_cpu_runner_uses_it():
     _needs_compiler()
-    from cadence.runner.model_runner import _native_attention
+    from cadence.runner.cpu_paths import choose_cpu_paths
 
-    assert _native_attention(torch.device("cpu"), torch.float32) is not None
-    assert _native_attention(torch.device("cpu"), torch.float16) is None
-    assert _native_attention(torch.device("meta"), torch.float32) is None
+    assert choose_cpu_paths(torch.float32).attention_kernel is not None
+    assert choose_cpu_paths(torch.bfloat16).attention_kernel is not None
+    assert choose_cpu_paths(torch.float16).attention_kernel is None
+
+
+def test_a_build_for_a_lesser_machine_has_its_own_cache_entry(fresh_cache):
+    _needs_compiler()
+    generic = "x86-64-v2" if platform.machine() in ("x86_64", "AMD64") else "armv8-a"
+    assert native.paged_attention(generic) is not None
+    assert len(list((fresh_cache / "kernels").glob("paged_attention-*.so"))) == 2

@@ -279,6 +279,39 @@ def test_invalid_chat_params(client, kwargs, param):
     assert err.value.param == param
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(tools=[TOOL]), "tools"),  # tool_choice defaults to "auto": a call would never be parsed
+    (dict(tools=[TOOL], tool_choice="required"), "tool_choice"),
+    (dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
+    (dict(logit_bias={"42": 100}), "logit_bias"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    (dict(extra_body={"structured_outputs": {"regex": "a+"}}), "structured_outputs"),
+    (dict(extra_body={"use_beam_search": True}), "use_beam_search"),
+    (dict(extra_body={"chat_template": "{{ messages }}"}), "chat_template"),
+    (dict(extra_body={"priority": 3}), "priority"),  # the server runs fcfs: a priority would be ignored
+])
+def test_options_that_would_do_nothing_are_refused(client, kwargs, param):
+    kwargs = {"messages": CHAT, "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, **kwargs)
+    assert err.value.param == param
+    assert "not supported yet" in err.value.message or "--policy priority" in err.value.message
+    # The neutral values ask for nothing and pass; the server goes on serving.
+    ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logit_bias={},
+                                        tools=[TOOL], tool_choice="none",
+                                        extra_body={"use_beam_search": False, "priority": 0})
+    assert ok.choices[0].message.content and not ok.choices[0].message.tool_calls
+
+
+def test_completion_refuses_logit_bias(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"7": -100})
+    assert err.value.param == "logit_bias"
+
+
 def test_malformed_json_and_missing_fields(server):
     response = httpx.post(f"{server.base_url}/v1/chat/completions", content=b'{"model": "x", ',
                           headers={"Content-Type": "application/json"}, timeout=30)

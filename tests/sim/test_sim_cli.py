@@ -66,3 +66,13 @@ def test_building_the_parser_loads_neither_torch_nor_the_simulator():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--enable-kv-cache-events"], "enable_kv_cache_events"),
+    (["--async-scheduling"], "async_scheduling"),
+])
+def test_options_the_simulator_would_ignore_are_refused(flags, field):
+    args = parse(["simulate", "--num-requests", "4", *flags])
+    with pytest.raises(ValueError, match=f"^{field}: not supported yet"):
+        args.func(args)

@@ -1,7 +1,10 @@
 """KV-cache events: what entered and left the prefix cache.
 
 A router in front of several engine replicas consumes them to learn which
-replica holds which prefix.
+replica holds which prefix. On the wire (msgpack) each event is an array
+tagged with its class name, as vLLM encodes its events:
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+extra_key]``, ``["BlockRemoved", block_hashes]``, ``["AllBlocksCleared"]``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 import msgspec
 
 
-class BlockStored(msgspec.Struct, tag=True, gc=False):
+class BlockStored(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """Full blocks registered in the prefix cache."""
 
     block_hashes: list[Any]
@@ -21,13 +24,13 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     extra_key: Any = None  # e.g. the LoRA adapter id the KV was computed under
 
 
-class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+class BlockRemoved(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """Blocks evicted from the prefix cache."""
 
     block_hashes: list[Any]
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """The whole prefix cache was reset."""
 
 

@@ -33,6 +33,10 @@ class RequestQueue(Protocol):
 
 
 class SchedulingPolicy(Protocol):
+    # Whether the policy orders by ``Request.priority`` (front ends refuse a
+    # priority the policy would ignore).
+    reads_priority: bool
+
     def make_queue(self) -> RequestQueue: ...
 
     def pick_victim(self, running: list[Request]) -> Request:
@@ -121,6 +125,8 @@ class PriorityQueue:
 
 
 class FCFSPolicy:
+    reads_priority = False
+
     def make_queue(self) -> RequestQueue:
         return FCFSQueue()
 
@@ -129,6 +135,8 @@ class FCFSPolicy:
 
 
 class PriorityPolicy:
+    reads_priority = True
+
     def make_queue(self) -> RequestQueue:
         return PriorityQueue()
 

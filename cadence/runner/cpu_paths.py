@@ -1,0 +1,132 @@
+"""Which dtype and which fast paths this machine runs, decided once at start.
+
+Nothing is assumed about the CPU: each fast path is taken only where the
+probe (``cadence.cpu_features`` flags, then a trial call) says it works, and
+the plain PyTorch path is kept otherwise. The choice is logged in one line:
+
+    cadence: CPU AMD EPYC (x86_64; avx2 fma), float32: oneDNN packed matmuls,
+             C kernels (-march=native)
+
+    fast path            taken when
+    oneDNN packed        oneDNN packs this dtype here (bfloat16: AVX-512 BW/VL/DQ,
+    matmuls              AVX-NE-CONVERT or ARM BF16) and a trial product agrees
+    C kernels            a C compiler builds them (float32 and bfloat16 only)
+
+``dtype="auto"`` is bfloat16 where the CPU computes it natively (AVX512_BF16,
+AMX, ARM BF16) and float32 elsewhere; on a GPU it is the checkpoint's own
+dtype (float32 checkpoints run in bfloat16 where the GPU has it, else float16).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
+
+import torch
+
+from cadence import cpu_features
+from cadence.cpu_features import CpuFeatures
+from cadence.models import packed_weights
+
+if TYPE_CHECKING:
+    from cadence.models.fused_ops import FusedOps
+    from cadence.runner.native import PagedAttentionKernel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Flags with which a CPU computes float16 products natively.
+_FP16_FLAGS = ("avx512_fp16", "amx_fp16", "fphp", "asimdhp")
+
+
+@dataclass(frozen=True)
+class CpuPaths:
+    """The fast paths one model runs on the CPU, and why each was or was not taken."""
+
+    pack_weights: bool
+    fused_ops: "FusedOps | None"
+    attention_kernel: "PagedAttentionKernel | None"
+    reasons: tuple[str, ...] = ()  # one entry per path, for the log line
+
+    @classmethod
+    def plain(cls) -> "CpuPaths":
+        """Plain PyTorch throughout."""
+        return cls(False, None, None, ("plain PyTorch by request",))
+
+    def describe(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def choose_cpu_paths(dtype: torch.dtype, features: CpuFeatures | None = None) -> CpuPaths:
+    """The fast paths ``dtype`` can take on this CPU, as ``features`` shows it."""
+    features = cpu_features.detect() if features is None else features
+    reasons = []
+    pack = packed_weights.packing_works(dtype, features)
+    reasons.append("oneDNN packed matmuls" if pack else
+                   f"PyTorch matmuls ({packed_weights.why_not_packed(dtype, features)})")
+    fused, attention, why_not = _native_kernels(dtype, features)
+    march = features.compiler_arch()
+    reasons.append(f"C kernels (-march={march})" if why_not is None else f"PyTorch kernels ({why_not})")
+    return CpuPaths(pack, fused, attention, tuple(reasons))
+
+
+def _native_kernels(dtype: torch.dtype, features: CpuFeatures):
+    """(fused ops, attention kernel, None) or (None, None, why not)."""
+    from cadence.models.fused_ops import fused_ops
+    from cadence.runner.native import paged_attention
+
+    if not features.allows("native"):
+        return None, None, "C kernels hidden"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, None, f"no C kernels for {_name(dtype)}"
+    march = features.compiler_arch()
+    fused, attention = fused_ops(march), paged_attention(march)
+    if fused is None or attention is None:
+        return None, None, "C kernels unavailable: no compiler, a failed build or CADENCE_NATIVE=0"
+    return fused, attention, None
+
+
+def resolve_dtype(
+    name: str,
+    device: torch.device,
+    *,
+    checkpoint_dtype: torch.dtype | None = None,
+    features: CpuFeatures | None = None,
+    cuda_bf16: bool | None = None,
+) -> torch.dtype:
+    """The torch dtype for option ``name`` (auto, float32, bfloat16, float16) on ``device``."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype: must be auto or one of {tuple(DTYPES)}, got {name!r}")
+        return DTYPES[name]
+    if device.type == "cuda":
+        if cuda_bf16 is None:
+            cuda_bf16 = torch.cuda.is_bf16_supported()
+        if checkpoint_dtype in (torch.bfloat16, torch.float16):
+            return checkpoint_dtype if checkpoint_dtype != torch.bfloat16 or cuda_bf16 else torch.float16
+        return torch.bfloat16 if cuda_bf16 else torch.float16
+    features = cpu_features.detect() if features is None else features
+    return torch.bfloat16 if features.native_bf16 else torch.float32
+
+
+def emulation_note(dtype: torch.dtype, features: CpuFeatures) -> str | None:
+    """Why ``dtype`` will be slow on this CPU (computed in software), or None."""
+    if dtype == torch.bfloat16 and not features.native_bf16:
+        return "bfloat16 is emulated on this CPU (no AVX512_BF16, AMX or ARM BF16): expect it slower than float32"
+    if dtype == torch.float16 and not any(flag in features.flags for flag in _FP16_FLAGS):
+        return "float16 is emulated on this CPU (no AVX512_FP16, AMX-FP16 or ARM FP16): expect it slower than float32"
+    return None
+
+
+def log_cpu_choice(dtype: torch.dtype, paths: CpuPaths, features: CpuFeatures | None = None,
+                   *, log: TextIO = sys.stderr) -> None:
+    """The one start-up line naming this CPU, the dtype and the paths taken (and a
+    second when the dtype is emulated)."""
+    features = cpu_features.detect() if features is None else features
+    print(f"cadence: CPU {features.describe()}, {_name(dtype)}: {paths.describe()}", file=log)
+    note = emulation_note(dtype, features)
+    if note is not None:
+        print(f"cadence: {note}", file=log)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
