@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from cadence.models import packed_weights
 
 if TYPE_CHECKING:
-    from cadence.models.fused_ops import FusedOps
+    from cadence.kernels.fused_ops import FusedOps
 
 
 def _empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:

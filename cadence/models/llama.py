@@ -32,7 +32,7 @@ from cadence.models.layers import Embedding, FusedLinear, GatedMLP, Linear, RMSN
 from cadence.models.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
-    from cadence.models.fused_ops import FusedOps
+    from cadence.kernels.fused_ops import FusedOps
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -16,7 +16,7 @@ prefix blocks that another request writes in that same step.
 
 Short queries (decodes, speculative verification) take one of two paths:
 
-- with the native kernel (``cadence.runner.native``, C compiled on first
+- with the native kernel (``cadence.kernels.paged_attention``, C compiled on first
   use), one call per layer reads every short sequence's keys and values in
   place through its block table (``ShortQueryIndex``);
 - otherwise they are batched on ``scaled_dot_product_attention``, in groups
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.runner.kv_cache import PagedKVCache
-from cadence.runner.native import PagedAttentionKernel
+from cadence.kernels.paged_attention import PagedAttentionKernel
 
 # Sequences with at most this many query tokens share one padded batched call.
 MAX_BATCHED_QUERY_LEN = 8

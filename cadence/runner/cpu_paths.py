@@ -30,8 +30,8 @@ from cadence.cpu_features import CpuFeatures
 from cadence.models import packed_weights
 
 if TYPE_CHECKING:
-    from cadence.models.fused_ops import FusedOps
-    from cadence.runner.native import PagedAttentionKernel
+    from cadence.kernels.fused_ops import FusedOps
+    from cadence.kernels.paged_attention import PagedAttentionKernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Flags with which a CPU computes float16 products natively.
@@ -71,8 +71,8 @@ def choose_cpu_paths(dtype: torch.dtype, features: CpuFeatures | None = None) ->
 
 def _native_kernels(dtype: torch.dtype, features: CpuFeatures):
     """(fused ops, attention kernel, None) or (None, None, why not)."""
-    from cadence.models.fused_ops import fused_ops
-    from cadence.runner.native import paged_attention
+    from cadence.kernels.fused_ops import fused_ops
+    from cadence.kernels.paged_attention import paged_attention
 
     if not features.allows("native"):
         return None, None, "C kernels hidden"

@@ -9,7 +9,7 @@ import torch
 
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.kv_cache import PagedKVCache, num_blocks_for_budget
-from cadence.runner.native import paged_attention
+from cadence.kernels.paged_attention import paged_attention
 
 
 @pytest.fixture(params=["torch", "native"])

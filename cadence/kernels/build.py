@@ -1,6 +1,6 @@
 """C kernels for the CPU, compiled on first use and loaded through ctypes.
 
-The sources live in ``cadence/csrc`` (one library per ``<name>.c``). Each is
+The sources live in ``cadence/kernels/csrc`` (one library per ``<name>.c``). Each is
 built with the machine's C compiler (``-O3 -march=<arch> -fopenmp``) into a
 cache folder, keyed by the sources, the flags and the CPU, so a second
 process loads it in milliseconds. ``<arch>`` is ``native`` unless CPU

@@ -1,6 +1,6 @@
-"""The paged-attention C kernel (``cadence/csrc/paged_attention.c``) with tensor arguments.
+"""The paged-attention C kernel (``cadence/kernels/csrc/paged_attention.c``) with tensor arguments.
 
-Built and loaded by ``cadence.native``; ``paged_attention()`` is None where
+Built and loaded by ``cadence.kernels.build``; ``paged_attention()`` is None where
 it cannot be (no compiler, ``CADENCE_NATIVE=0``) and the runner keeps its
 PyTorch path.
 """
@@ -12,10 +12,14 @@ import functools
 
 import torch
 
-from cadence import native
+from cadence.kernels import build
 _ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
+# paged_attention_{f32,bf16}: q, k_cache, v_cache, out, query_start, query_len,
+# seq_len, block_table; num_seqs; heads, kv heads, head dim, block size,
+# max blocks, window; scale (checked against the C prototype by the tests).
+ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] + [_INT] * 6 + [ctypes.c_float]
 
 
 class PagedAttentionKernel:
@@ -26,7 +30,7 @@ class PagedAttentionKernel:
         for dtype, suffix in _ELEMENT_SUFFIX.items():
             function = getattr(library, f"paged_attention_{suffix}")
             function.restype = None
-            function.argtypes = [ctypes.c_void_p] * 8 + [_I64] + [_INT] * 6 + [ctypes.c_float]
+            function.argtypes = ARGTYPES
             self._functions[dtype] = function
 
     def supports(self, dtype: torch.dtype) -> bool:
@@ -67,5 +71,5 @@ class PagedAttentionKernel:
 @functools.cache
 def paged_attention(march: str = "native") -> PagedAttentionKernel | None:
     """The compiled kernel, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
-    library = native.load("paged_attention", march)
+    library = build.load("paged_attention", march)
     return None if library is None else PagedAttentionKernel(library)

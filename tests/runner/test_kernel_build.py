@@ -7,8 +7,8 @@ import platform
 import pytest
 import torch
 
-from cadence import native as native_build
-from cadence.runner import native
+from cadence.kernels import build as native_build
+from cadence.kernels import paged_attention as native
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence import native
-from cadence.models import fused_ops as fused_module
+from cadence.kernels import build as native
+from cadence.kernels import fused_ops as fused_module
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.layers import RMSNorm
 from cadence.models.rotary import apply_rotary

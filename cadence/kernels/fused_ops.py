@@ -1,11 +1,11 @@
-"""The decoder layer's elementwise steps fused in C, for the CPU (``cadence/csrc/fused_ops.c``).
+"""The decoder layer's elementwise steps fused in C, for the CPU (``cadence/kernels/csrc/fused_ops.c``).
 
 At a 64-row decode step PyTorch spends more on dispatching RMSNorm (four
 kernels), rotary (six) and SiLU-mul (two) than on their arithmetic; each
 function here is one pass over its rows, rounding where PyTorch rounds.
 A model uses them after ``LlamaForCausalLM.use_fused_ops(fused_ops())``;
 ``fused_ops()`` is None where the library cannot be built (see
-``cadence.native``), and the model keeps its PyTorch code.
+``cadence.kernels.build``), and the model keeps its PyTorch code.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import functools
 
 import torch
 
-from cadence import native
+from cadence.kernels import build
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
+SIGNATURES = {
     "add_rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _FLOAT],
     "rotary": [_PTR, _I64, _INT, _PTR, _I64, _INT, _PTR, _PTR, _I64, _INT],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
@@ -31,7 +31,7 @@ class FusedOps:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
-        for name, argtypes in _SIGNATURES.items():
+        for name, argtypes in SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
                 function = getattr(library, f"{name}_{suffix}")
                 function.restype, function.argtypes = None, argtypes
@@ -98,5 +98,5 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
 @functools.cache
 def fused_ops(march: str = "native") -> FusedOps | None:
     """The compiled functions, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
-    library = native.load("fused_ops", march)
+    library = build.load("fused_ops", march)
     return None if library is None else FusedOps(library)
