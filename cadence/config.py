@@ -313,8 +313,3 @@ def parse_memory(value: str | int | float, available_bytes: int) -> int:
     if scale == 1 and number < 1:
         return int(number * available_bytes)  # a fraction of what is free
     return int(number * scale)
-
-
-def config_fields(cls: type) -> list[dataclasses.Field]:
-    """The options of a config class, in declaration order (for the CLI)."""
-    return list(dataclasses.fields(cls))

@@ -194,10 +194,6 @@ class Request:
         return self._all_token_ids
 
     @property
-    def has_encoder_inputs(self) -> bool:
-        return bool(self.mm_positions)
-
-    @property
     def use_structured_output(self) -> bool:
         return self.sampling_params.structured_outputs is not None
 

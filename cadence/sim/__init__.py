@@ -10,29 +10,21 @@ Modules: ``runner`` (``SimRunner``), ``simulator`` (the clock and the loop),
 ``metrics``, ``plots``, ``cli`` (``cadence simulate``).
 
 Names load on first use: ``cadence.cli`` imports ``cadence.sim.cli`` for
-every command, and the simulator pulls in the engine (and with it torch).
+every command, and importing this package must stay cheap. The simulator
+itself never loads torch (``tests/sim/test_sim_layering.py``).
 """
 
-from importlib import import_module
-from typing import Any
+from cadence._lazy import lazy_exports
 
-_EXPORTS = {
-    "PROFILES": "cost_model", "CalibratedCostModel": "cost_model", "HardwareProfile": "cost_model",
-    "ModelShape": "cost_model", "RooflineCostModel": "cost_model", "StepShape": "cost_model",
-    "TokenCurve": "cost_model", "make_cost_model": "cost_model",
-    "SLO": "metrics", "MetricsRecorder": "metrics", "summarize": "metrics",
-    "SimRunner": "runner",
-    "SimResult": "simulator", "Simulator": "simulator", "SimulationStalled": "simulator",
-    "compare_policies": "simulator",
-    "PromptMaker": "workload", "RequestSpec": "workload", "SyntheticWorkload": "workload",
-    "read_trace": "workload", "write_trace": "workload",
+_MODULES = {
+    "cost_model": ("PROFILES", "CalibratedCostModel", "HardwareProfile", "ModelShape",
+                   "RooflineCostModel", "StepShape", "TokenCurve", "make_cost_model"),
+    "metrics": ("SLO", "MetricsRecorder", "summarize"),
+    "runner": ("SimRunner",),
+    "simulator": ("SimResult", "Simulator", "SimulationStalled", "compare_policies"),
+    "workload": ("PromptMaker", "RequestSpec", "SyntheticWorkload", "read_trace", "write_trace"),
 }
-
+_EXPORTS = {name: f"cadence.sim.{module}" for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cadence.sim' has no attribute {name!r}")
-    return getattr(import_module(f"cadence.sim.{module}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

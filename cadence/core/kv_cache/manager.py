@@ -25,10 +25,6 @@ from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     """Owns the block pool and each request's block list."""
 
@@ -104,9 +100,6 @@ class KVCacheManager:
         return num_common
 
     # ---- allocation ----------------------------------------------------
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.block_pool.num_free_blocks
 
     def allocate_slots(
         self,

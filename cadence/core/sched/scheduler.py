@@ -389,7 +389,7 @@ class Scheduler(SchedulerInterface):
             NewRequestData.from_request(r, plan.new_block_ids[r.request_id]) for r in plan.new
         ]
         cached = self._make_cached_request_data(plan)
-        structured_ids = plan.structured_output_request_ids(self.running)
+        structured_ids = plan.structured_output_request_ids()
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,

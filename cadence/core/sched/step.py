@@ -147,6 +147,6 @@ class StepPlan:
                 self.encoder_budget += request.mm_positions[input_id].length
                 cache.free_encoder_input(request, input_id)
 
-    def structured_output_request_ids(self, running: list["Request"]) -> dict[str, int]:
+    def structured_output_request_ids(self) -> dict[str, int]:
         """Bitmask row of each scheduled request with structured output."""
         return {req_id: row for row, req_id in enumerate(self._structured)}

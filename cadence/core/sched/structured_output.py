@@ -61,10 +61,6 @@ class StructuredOutputManager:
         future = self._executor.submit(self.backend.compile, request.sampling_params.structured_outputs)
         request.structured_output_request = StructuredOutputRequest(future)
 
-    def should_advance(self, request: Request) -> bool:
-        so = request.structured_output_request
-        return so is not None and so.grammar is not None
-
     def grammar_bitmask(
         self,
         requests: dict[str, Request],
