@@ -3,8 +3,8 @@
 
 Defined in ../shared/workloads/README.md (and run the same way on vLLM by
 ../shared/peers/vllm/vllm_sched_bench.py). N requests are added before the
-first step; a fake runner that costs nothing samples token 7 whenever a
-request's scheduled tokens reach the end of its known tokens. Time inside
+first step; the fake runner of ``cadence.core.testing`` samples token 7
+whenever a request's scheduled tokens reach the end of its known tokens. Time inside
 ``schedule()`` and ``update_from_output()`` is measured with perf_counter_ns
 (the runner excluded); each figure is the median of 3 runs.
 
@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 
 from cadence.config import CacheConfig, SchedulerConfig
-from cadence.core.outputs import ModelRunnerOutput
 from cadence.core.request import Request
 from cadence.core.sched.scheduler import Scheduler
+from cadence.core.testing import FakeRunner, fixed_token
 from cadence.sampling_params import SamplingParams
 
 WORKLOAD = "sched-overhead-v1"
@@ -76,37 +76,6 @@ def blocks_needed(prompts: list[list[int]]) -> int:
     return sum(-(-(len(p) + MAX_TOKENS) // BLOCK_SIZE) for p in prompts)
 
 
-class FakeRunner:
-    """Tracks each request's known-token count, as a real runner's batch would."""
-
-    def __init__(self) -> None:
-        self.num_tokens: dict[str, int] = {}
-
-    def execute(self, so) -> ModelRunnerOutput:
-        num_tokens = self.num_tokens
-        for req_id in so.finished_req_ids:
-            num_tokens.pop(req_id, None)
-        computed_before: dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            computed_before[new.req_id] = new.num_computed_tokens
-            num_tokens.setdefault(new.req_id, len(new.prompt_token_ids) + len(new.output_token_ids))
-        cached = so.scheduled_cached_reqs
-        computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        req_ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            if computed_before[req_id] + so.num_scheduled_tokens[req_id] >= num_tokens[req_id]:
-                sampled.append([SAMPLED_TOKEN])
-                num_tokens[req_id] += 1
-            else:
-                sampled.append([])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
-
-
 def run_once(variant: Variant, prompts: list[list[int]], num_blocks: int) -> dict:
     scheduler = Scheduler(
         SchedulerConfig(
@@ -125,7 +94,7 @@ def run_once(variant: Variant, prompts: list[list[int]], num_blocks: int) -> dic
     arrival = time.time()
     for i, prompt in enumerate(prompts):
         scheduler.add_request(Request(f"req-{i}", prompt, params, arrival_time=arrival))
-    runner = FakeRunner()
+    runner = FakeRunner(fixed_token(SAMPLED_TOKEN))
     gc.collect()
     gc.freeze()
     clock = time.perf_counter_ns
@@ -137,7 +106,7 @@ def run_once(variant: Variant, prompts: list[list[int]], num_blocks: int) -> dic
         c0, t0 = cpu_clock(), clock()
         so = scheduler.schedule()
         t1, c1 = clock(), cpu_clock()
-        runner_output = runner.execute(so)
+        runner_output = runner.execute_model(so)
         c2, t2 = cpu_clock(), clock()
         outputs = scheduler.update_from_output(so, runner_output)
         t3, c3 = clock(), cpu_clock()

@@ -2,8 +2,8 @@
 
 It keeps what a real runner keeps per request that matters here, the number
 of known tokens (prompt + sampled), so it knows which scheduled requests
-sample: the ones whose computed tokens reach the end of their known tokens
-(a prefill chunk short of the prompt's end samples nothing, as on a model).
+sample: the rule of every fake runner, ``cadence.core.testing.samples`` (a
+prefill chunk short of the prompt's end samples nothing, as on a model).
 
 Each sampled token is ``FILLER_TOKEN_ID``. Output lengths come from the
 requests themselves: the simulator sends ``max_tokens = target`` with
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from cadence.core.outputs import ModelRunnerOutput
 from cadence.core.sched.output import SchedulerOutput
+from cadence.core.testing import samples
 from cadence.sim.cost_model import CostModel, StepShape
 
 FILLER_TOKEN_ID = 0
@@ -45,7 +46,7 @@ class SimRunner:
             computed = [r.num_computed_tokens for r in new_reqs] + computed
             for new_req in new_reqs:
                 num_tokens[new_req.req_id] = len(new_req.prompt_token_ids) + len(new_req.output_token_ids)
-        # One pass: sample where the computed tokens reach the known ones (with
+        # One pass: sample where this step reaches the known tokens' end (with
         # drafts scheduled, all are rejected: one token, the scheduler rolls
         # back), and count the attention pairs beyond a decode's c + 1.
         scheduled = scheduler_output.num_scheduled_tokens
@@ -55,7 +56,7 @@ class SimRunner:
         for req_id, c in zip(req_ids, computed):
             q = scheduled[req_id]
             known = num_tokens[req_id]
-            if c + q >= known:
+            if samples(c, q, known):
                 num_tokens[req_id] = known + 1
                 append([FILLER_TOKEN_ID])
             else:
