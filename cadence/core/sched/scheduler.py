@@ -8,6 +8,13 @@ When a running request needs a block and none is free, the policy's victim
 is preempted (blocks freed, recomputed later), and nothing new is admitted in
 that step.
 
+This module decides who runs and builds the ``SchedulerOutput``. Its two
+neighbours own the rest of a request's life:
+
+- ``lifecycle``: add, finish, cancel, fork (n > 1) and free requests;
+- ``absorb``: ``update_from_output``, the runner's sampled tokens turned
+  into request state and per-client outputs.
+
 Features keep their logic in their own modules; ``schedule()`` calls them:
 ``policy`` (queue order, victim), ``admission`` (safety margin, prefill-first,
 KV-read budget), ``encoder``, ``spec_decode``, ``structured_output``,
@@ -16,35 +23,50 @@ KV-read budget), ``encoder``, ``spec_decode``, ``structured_output``,
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-from typing import Any, Iterable
+import enum
+from typing import TYPE_CHECKING, Iterable
 
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from cadence.core.kv_cache import KVCacheManager
 from cadence.core.outputs import (
-    EngineCoreOutput,
     EngineCoreOutputs,
-    KVConnectorOutput,
     ModelRunnerOutput,
     PrefixCacheStats,
     SchedulerStats,
     SpecDecodingStats,
 )
 from cadence.core.request import Request, RequestEventType, RequestStatus
-from cadence.core.sched import parallel_sampling, spec_decode
+from cadence.core.sched.absorb import OutputAbsorber
 from cadence.core.sched.admission import make_admission_policy, prefill_first_order
 from cadence.core.sched.encoder import EncoderCacheManager, free_consumed_encoder_inputs
 from cadence.core.sched.interface import SchedulerInterface
+from cadence.core.sched.lifecycle import RequestLifecycle
 from cadence.core.sched.lora import LoRABatchLimit
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.core.sched.policy import make_policy
 from cadence.core.sched.step import StepPlan
-from cadence.core.sched.stop import check_stop
+
+if TYPE_CHECKING:
+    from cadence.core.kv_cache.block_pool import KVCacheEvent
+    from cadence.core.sched.kv_connector import KVConnectorBase
+    from cadence.core.sched.structured_output import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
-_PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
+
+
+class Admission(enum.Enum):
+    """What ``_schedule_waiting`` does with the request ``_try_admit`` was given."""
+
+    # It runs from this step on: off the waiting queue.
+    ADMITTED = "admitted"
+    # It cannot run this step but those behind it may (its KV loads
+    # asynchronously; its whole prompt does not fit the budget and chunked
+    # prefill is off): set it aside, try the next one.
+    SKIPPED = "skipped"
+    # No room for it (token, KV-read or encoder budget, blocks): it stays at
+    # the head of the queue and nobody else is admitted this step.
+    STOP = "stop"
 
 
 class Scheduler(SchedulerInterface):
@@ -57,8 +79,8 @@ class Scheduler(SchedulerInterface):
         *,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
-        kv_connector: Any = None,
-        structured_output_manager: Any = None,
+        kv_connector: KVConnectorBase | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
         log_stats: bool = False,
         include_finished_set: bool = False,
     ) -> None:
@@ -80,15 +102,11 @@ class Scheduler(SchedulerInterface):
             log_stats=log_stats,
         )
         self.policy = make_policy(scheduler_config.policy)
+        # Shared with the lifecycle and the absorber: changed in place, never rebound.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.admission = make_admission_policy(scheduler_config.admission_safety_margin)
-        # Finished since the last schedule(): the runner drops their state.
-        self.finished_req_ids: set[str] = set()
-        self.finished_req_ids_dict: dict[int, set[str]] | None = (
-            defaultdict(set) if include_finished_set else None
-        )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_tokens)
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -97,19 +115,31 @@ class Scheduler(SchedulerInterface):
         )
         self.lora_config = lora_config
         self.connector = kv_connector
+        # Requests whose async KV load finished: the absorber adds, admission takes.
         self.finished_recving_kv_req_ids: set[str] = set()
         self.structured_output_manager = structured_output_manager
         self.async_scheduling = scheduler_config.async_scheduling
-        # Thread-safe cancellation: other threads queue ids, schedule() applies them.
-        self._cancel_lock = threading.Lock()
-        self._pending_cancels: set[str] = set()
-        self.forks = parallel_sampling.ForkRegistry(self.block_size)
-        self.kv_events: list[Any] = []
-        # Running requests the runner has not seen yet (forked children).
-        self._unsent_running: set[str] = set()
-        # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
-        self._orphan_outputs: list[EngineCoreOutput] = []
-        self._orphan_clients: list[int] = []
+        self.lifecycle = RequestLifecycle(
+            self.requests, self.running, self.waiting,
+            self.kv_cache_manager, self.encoder_cache_manager,
+            max_model_len=self.max_model_len,
+            max_num_running_reqs=self.max_num_running_reqs,
+            connector=kv_connector,
+            structured_output_manager=structured_output_manager,
+            log_stats=log_stats,
+            include_finished_set=include_finished_set,
+        )
+        self.forks = self.lifecycle.forks
+        self.absorber = OutputAbsorber(
+            self.lifecycle, self.finished_recving_kv_req_ids, self.make_stats,
+            max_model_len=self.max_model_len,
+            num_spec_tokens=self.num_spec_tokens,
+            async_scheduling=self.async_scheduling,
+            log_stats=log_stats,
+            connector=kv_connector,
+            structured_output_manager=structured_output_manager,
+        )
+        self.kv_events: list[KVCacheEvent] = []
         self.step_counter = 0
         self.num_preemptions_total = 0
         self._num_step_preemptions = 0
@@ -119,7 +149,7 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self._apply_cancellations()
+        self.lifecycle.apply_cancellations()
         plan = StepPlan(self.max_num_scheduled_tokens, self.config)
         if self.lora_config is not None:
             # Count every running request's adapter, scheduled this step or not,
@@ -138,7 +168,7 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         allocate = self.kv_cache_manager.allocate_slots
         lookahead = self.num_lookahead_tokens
-        unsent = self._unsent_running
+        unsent = self.lifecycle.unsent_running
         schedule_running = plan.schedule_running
         order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
         for request in order:
@@ -220,9 +250,10 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
-        if request.request_id in self._unsent_running:
+        unsent = self.lifecycle.unsent_running
+        if request.request_id in unsent:
             # Never sent to the runner: it will start as a new request.
-            self._unsent_running.discard(request.request_id)
+            unsent.discard(request.request_id)
             request.status = _WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -242,7 +273,7 @@ class Scheduler(SchedulerInterface):
             request = waiting.peek_request()
             if self._grammar_failed(request):
                 waiting.pop_request()
-                self._abort_unservable(request, "grammar compilation failed")
+                self.lifecycle.abort_unservable(request, "grammar compilation failed")
                 continue
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())
@@ -255,18 +286,17 @@ class Scheduler(SchedulerInterface):
                 # A request that already holds its KV (async load done) must not be
                 # locked out by its own blocks; with nothing running, anyone may start.
                 break
-            admitted = self._try_admit(request, plan)
-            if admitted is None:
+            outcome = self._try_admit(request, plan)
+            if outcome is Admission.STOP:
                 break
             waiting.pop_request()
-            if not admitted:
+            if outcome is Admission.SKIPPED:
                 skipped.append(request)  # not runnable this step (e.g. async KV load)
         if skipped:
             waiting.prepend_requests(skipped)
 
-    def _try_admit(self, request: Request, plan: StepPlan) -> bool | None:
-        """Schedule one waiting request: True if admitted, False if it must wait
-        off the head of the queue, None if admission stops for this step."""
+    def _try_admit(self, request: Request, plan: StepPlan) -> Admission:
+        """Schedule one waiting request, or say why not (see ``Admission``)."""
         kv = self.kv_cache_manager
         hits, num_local, num_external, load_async = self._computed_prefix(request)
         num_computed = request.num_computed_tokens + num_local + num_external
@@ -280,32 +310,32 @@ class Scheduler(SchedulerInterface):
             if request.fork_point is not None:
                 num_new = min(num_new, request.fork_point - num_computed)
             if not self.config.enable_chunked_prefill and num_new > plan.token_budget:
-                return False
+                return Admission.SKIPPED
             num_new = min(num_new, plan.token_budget)
             if num_new <= 0 or not plan.can_read_kv(request, num_new, num_computed):
-                return None
+                return Admission.STOP
             if request.mm_positions:
                 num_new = plan.add_encoder_inputs(
                     request, num_new, self.encoder_cache_manager, num_computed
                 )
                 if num_new <= 0:
-                    return None
+                    return Admission.STOP
         new_block_ids = kv.allocate_slots(
             request, num_new + num_external, num_local, hits,
             num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=load_async,
         )
         if new_block_ids is None:
             plan.drop_encoder_inputs(request, self.encoder_cache_manager)
-            return None
+            return Admission.STOP
         if self.connector is not None:
             self.connector.update_state_after_alloc(
                 request, kv.req_to_blocks[request.request_id], num_external
             )
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            return False
+            return Admission.SKIPPED
         self._start_running(request, num_computed, num_new, plan)
-        return True
+        return Admission.ADMITTED
 
     def _computed_prefix(self, request: Request) -> tuple[list, int, int, bool]:
         """(local cache hits, their token count, external tokens, async load?)."""
@@ -340,20 +370,6 @@ class Scheduler(SchedulerInterface):
     def _grammar_failed(request: Request) -> bool:
         so = request.structured_output_request
         return request.status == RequestStatus.WAITING_FOR_FSM and so is not None and so.failed
-
-    def _abort_unservable(self, request: Request, reason: str) -> None:
-        """Finish a request that can never run; its client hears it in the next outputs."""
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.stop_reason = reason
-        self._free_request(request)
-        self._orphan_outputs.append(
-            EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[],
-                finish_reason=request.get_finished_reason(), stop_reason=reason,
-                parent_request_id=request.parent_request_id,
-            )
-        )
-        self._orphan_clients.append(request.client_index)
 
     def _is_ready(self, request: Request) -> bool:
         """Whether a waiting request may be scheduled (grammar compiled, remote KV in)."""
@@ -398,7 +414,7 @@ class Scheduler(SchedulerInterface):
             scheduled_spec_decode_tokens=plan.spec_tokens,
             scheduled_encoder_inputs=plan.encoder_inputs,
             num_common_prefix_blocks=self._num_common_prefix_blocks(),
-            finished_req_ids=self.finished_req_ids,
+            finished_req_ids=self.lifecycle.take_finished_req_ids(),
             preempted_req_ids={r.request_id for r in plan.preempted},
             free_encoder_input_ids=self.encoder_cache_manager.take_freed_ids(),
             structured_output_request_ids=structured_ids,
@@ -412,7 +428,6 @@ class Scheduler(SchedulerInterface):
         self._advance_computed_tokens(plan)
         if self.kv_cache_manager.block_pool.enable_events:
             self.kv_events.extend(self.kv_cache_manager.take_events())
-        self.finished_req_ids = set()
         self._num_step_preemptions = len(plan.preempted)
         self.num_preemptions_total += len(plan.preempted)
         self.step_counter += 1
@@ -459,338 +474,28 @@ class Scheduler(SchedulerInterface):
         return self.kv_cache_manager.get_num_common_prefix_blocks(self.running[0], len(self.running))
 
     # ------------------------------------------------------------------
-    # update_from_output()
+    # update_from_output() and requests from outside
     # ------------------------------------------------------------------
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        """Absorb the step's sampled tokens; the new outputs per client.
-
-        Most requests of a step are plain decodes (one token, no drafts, no
-        logprobs, no fork): those take a short path inline, since this loop
-        runs once per request per step; everything else goes through
-        ``_update_request``.
-        """
-        sampled_token_ids = model_runner_output.sampled_token_ids
-        req_id_to_index = model_runner_output.req_id_to_index
-        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
-        max_model_len = self.max_model_len
-        requests = self.requests
-        outputs = self._take_orphan_outputs()
-        plain_step = self._is_plain_step(scheduler_output, model_runner_output)
-        spec_stats: SpecDecodingStats | None = None
-        num_stopped = 0
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests.get(req_id)
-            if request is None or request.status > _PREEMPTED:
-                continue  # finished (e.g. aborted) while the step ran
-            index = req_id_to_index[req_id]
-            new_token_ids = sampled_token_ids[index] if sampled_token_ids else []
-            if plain_step and len(new_token_ids) == 1 and request.fork_point is None:
-                request.append_output_token(new_token_ids[0])
-                kv_transfer_params = None
-                if check_stop(request, max_model_len):
-                    num_stopped += 1
-                    kv_transfer_params = self._free_request(request)
-                output = self._make_engine_core_output(
-                    request, new_token_ids, None, None, kv_transfer_params
-                )
-            else:
-                if scheduled_drafts and scheduled_drafts.get(req_id):
-                    spec_stats = self._roll_back_rejected(
-                        request, scheduled_drafts[req_id], len(new_token_ids), spec_stats
-                    )
-                output = self._update_request(request, index, new_token_ids, model_runner_output)
-                if output is None:
-                    continue
-                if output.finish_reason is not None:
-                    num_stopped += 1  # only a request that stopped in this step has one
-            client_outputs = outputs.get(request.client_index)
-            if client_outputs is None:
-                client_outputs = outputs[request.client_index] = []
-            client_outputs.append(output)
-        if num_stopped:
-            self._remove_finished_from_queues()
-        if model_runner_output.kv_connector_output is not None:
-            self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
-        return self._make_engine_core_outputs(outputs, spec_stats)
-
-    def _take_orphan_outputs(self) -> dict[int, list[EngineCoreOutput]]:
-        """Outputs per client, starting with those of requests finished inside ``schedule()``."""
-        outputs: dict[int, list[EngineCoreOutput]] = {}
-        if self._orphan_outputs:
-            for client, output in zip(self._orphan_clients, self._orphan_outputs):
-                outputs.setdefault(client, []).append(output)
-            self._orphan_outputs, self._orphan_clients = [], []
-        return outputs
-
-    def _is_plain_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> bool:
-        """No drafts (verified or new), logprobs, grammars or async placeholders in
-        this step: a request that sampled one token needs no more than appending it."""
-        return not (
-            scheduler_output.scheduled_spec_decode_tokens or runner_output.spec_token_ids is not None
-            or runner_output.logprobs is not None or runner_output.prompt_logprobs_dict
-            or self.structured_output_manager is not None or self.async_scheduling
-        )
-
-    def _update_request(
-        self, request: Request, index: int, new_token_ids: list[int], runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutput | None:
-        """Absorb one request's result in the general case; its output, if it has one."""
-        if request.num_output_placeholders:
-            request.num_output_placeholders = max(
-                0, request.num_output_placeholders - len(new_token_ids)
-            )
-        stopped = False
-        if new_token_ids:
-            new_token_ids, stopped = self._append_output(request, new_token_ids, self.max_model_len)
-        fork = False
-        if stopped:
-            kv_transfer_params = self._free_request(request)
-        else:
-            kv_transfer_params = None
-            if runner_output.spec_token_ids is not None:
-                self._set_drafts(request, runner_output.spec_token_ids[index])
-            fork = request.fork_point is not None and request.num_computed_tokens >= request.fork_point
-        prompt_logprobs = runner_output.prompt_logprobs_dict.get(request.request_id)
-        output = None
-        if new_token_ids or kv_transfer_params or prompt_logprobs is not None:
-            new_logprobs = None
-            if request.sampling_params.logprobs is not None and runner_output.logprobs is not None:
-                new_logprobs = runner_output.logprobs.slice(index, index + 1)
-            output = self._make_engine_core_output(
-                request, new_token_ids, new_logprobs, prompt_logprobs, kv_transfer_params
-            )
-        if fork:
-            # After the output is made: the parent's output does not carry the fork's finish.
-            self._fork(request)
-        return output
-
-    def _roll_back_rejected(
-        self, request: Request, drafts: list[int], num_sampled: int, spec_stats: SpecDecodingStats | None
-    ) -> SpecDecodingStats | None:
-        num_accepted = spec_decode.roll_back_rejected(request, len(drafts), num_sampled)
-        if self.log_stats:
-            spec_stats = spec_decode.observe(spec_stats, self.num_spec_tokens, len(drafts), num_accepted)
-        return spec_stats
-
-    def _append_output(
-        self, request: Request, new_token_ids: list[int], max_model_len: int
-    ) -> tuple[list[int], bool]:
-        """Append sampled tokens one by one; cut the list at the one that stops."""
-        if len(new_token_ids) == 1:  # the common case: one decode token
-            request.append_output_token(new_token_ids[0])
-            if check_stop(request, max_model_len):
-                return new_token_ids, True
-        else:
-            for num_appended, token_id in enumerate(new_token_ids, 1):
-                request.append_output_token(token_id)
-                if check_stop(request, max_model_len):
-                    if num_appended < len(new_token_ids):
-                        new_token_ids = new_token_ids[:num_appended]
-                    return new_token_ids, True
-        so = request.structured_output_request
-        if so is not None and self.structured_output_manager is not None:
-            grammar = so.grammar
-            if grammar is not None:
-                grammar.accept_tokens(request.request_id, new_token_ids)
-                if grammar.is_terminated():
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    return new_token_ids, True
-        return new_token_ids, False
-
-    def _set_drafts(self, request: Request, drafts: list[int]) -> None:
-        so = request.structured_output_request
-        if so is not None and so.grammar is not None:
-            drafts = so.grammar.validate_tokens(drafts)
-        request.spec_token_ids = list(drafts)
-
-    @staticmethod
-    def _make_engine_core_output(
-        request: Request,
-        new_token_ids: list[int],
-        new_logprobs: Any,
-        prompt_logprobs: Any,
-        kv_transfer_params: dict | None,
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.get_finished_reason(),
-            stop_reason=request.stop_reason,
-            new_logprobs=new_logprobs,
-            new_prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            events=request.take_events() if request.events else None,
-            kv_transfer_params=kv_transfer_params,
-            parent_request_id=request.parent_request_id,
-        )
-
-    def _remove_finished_from_queues(self) -> None:
-        self.running = [r for r in self.running if r.status <= _PREEMPTED]
-        finished_waiting = [r for r in self.waiting if r.status > _PREEMPTED]
-        if finished_waiting:
-            self.waiting.remove_requests(finished_waiting)
-
-    def _make_engine_core_outputs(
-        self, outputs: dict[int, list[EngineCoreOutput]], spec_stats: SpecDecodingStats | None
-    ) -> dict[int, EngineCoreOutputs]:
-        engine_core_outputs = {
-            client: EngineCoreOutputs(outputs=client_outputs)
-            for client, client_outputs in outputs.items()
-        }
-        if self.finished_req_ids_dict:
-            for client, finished in self.finished_req_ids_dict.items():
-                eco = engine_core_outputs.get(client)
-                if eco is None:
-                    eco = engine_core_outputs[client] = EngineCoreOutputs()
-                eco.finished_requests = finished
-            self.finished_req_ids_dict.clear()
-        if engine_core_outputs and self.log_stats:
-            # Stats go to one front end only.
-            next(iter(engine_core_outputs.values())).scheduler_stats = self.make_stats(spec_stats)
-        return engine_core_outputs
-
-    # ------------------------------------------------------------------
-    # parallel sampling (n > 1)
-    # ------------------------------------------------------------------
-
-    def _fork(self, parent: Request) -> None:
-        """Replace a parent that computed its shared prefix by its n children.
-
-        Children that fit under max_num_seqs run at once, holding references to
-        the parent's blocks. The others wait holding nothing (a waiting request
-        that held blocks could starve the pool: waiting ones are never
-        preempted); they recompute, or hit the prefix cache, when admitted.
-        """
-        children = self.forks.make_children(parent)
-        self.running.remove(parent)
-        room = self.max_num_running_reqs - len(self.running)
-        waiting_children = []
-        for child in children:
-            self._init_grammar(child)
-            self.requests[child.request_id] = child
-            if room > 0 and child.status == _WAITING:
-                room -= 1
-                self.forks.share_prefix(parent, child, self.kv_cache_manager)
-                child.status = _RUNNING
-                self.running.append(child)
-                self._unsent_running.add(child.request_id)
-            else:
-                waiting_children.append(child)
-        self.kv_cache_manager.free(parent)
-        del self.requests[parent.request_id]
-        self.finished_req_ids.add(parent.request_id)
-        parent.status = RequestStatus.FINISHED_STOPPED
-        if waiting_children:
-            self.waiting.prepend_requests(waiting_children)
-
-    # ------------------------------------------------------------------
-    # requests from outside
-    # ------------------------------------------------------------------
+        """Absorb the step's sampled tokens; the new outputs per client (see ``absorb``)."""
+        return self.absorber.update_from_output(scheduler_output, model_runner_output)
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in the scheduler")
-        if request.num_prompt_tokens == 0:
-            raise ValueError("prompt: must contain at least one token")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {request.num_prompt_tokens} tokens leave no room to generate "
-                f"within max_model_len={self.max_model_len}"
-            )
-        if request.use_structured_output and self.structured_output_manager is None:
-            raise ValueError("structured_outputs: this engine has no grammar backend")
-        if request.sampling_params.n > 1:
-            children = self.forks.prepare(request, self.kv_cache_manager)
-            if children is not None:  # too short to share a block: fork at once
-                for child in children:
-                    self._init_grammar(child)
-                    self._add_one(child)
-                return
-        else:
-            self._init_grammar(request)
-        self._add_one(request)
-
-    def _init_grammar(self, request: Request) -> None:
-        """Start compiling the request's grammar; it waits in WAITING_FOR_FSM meanwhile."""
-        if request.use_structured_output:
-            self.structured_output_manager.grammar_init(request)
-            request.status = RequestStatus.WAITING_FOR_FSM
-
-    def _add_one(self, request: Request) -> None:
-        self.waiting.add_request(request)
-        self.requests[request.request_id] = request
-        if self.log_stats:
-            request.record_event(RequestEventType.QUEUED)
+        """Queue a new request; ``ValueError`` if it can never run here (see ``lifecycle``)."""
+        self.lifecycle.add(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> None:
-        if not RequestStatus.is_finished(finished_status):
-            raise ValueError(f"finished_status: {finished_status!r} is not a finished status")
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
-        requests = []
-        for req_id in self.forks.expand(request_ids):
-            request = self.requests.get(req_id)
-            if request is not None and not request.is_finished():
-                requests.append(request)
-        if not requests:
-            return
-        running = {r for r in requests if r.status == _RUNNING}
-        if running:
-            self.running = [r for r in self.running if r not in running]
-        waiting = [r for r in requests if r.status != _RUNNING]
-        if waiting:
-            self.waiting.remove_requests(waiting)
-        for request in requests:
-            request.status = finished_status
-            self._free_request(request)
+        """Finish requests from outside; a forked parent's id finishes its children too."""
+        self.lifecycle.finish(request_ids, finished_status)
 
     def cancel_request(self, request_id: str) -> None:
         """Abort a request from any thread; applied at the start of the next step."""
-        with self._cancel_lock:
-            self._pending_cancels.add(request_id)
-
-    def _apply_cancellations(self) -> None:
-        if not self._pending_cancels:
-            return
-        with self._cancel_lock:
-            cancels, self._pending_cancels = self._pending_cancels, set()
-        self.finish_requests(cancels, RequestStatus.FINISHED_ABORTED)
-
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
-        """A finished request leaves; its blocks go back unless a connector still sends them."""
-        delay_free, kv_transfer_params = False, None
-        if self.connector is not None:
-            delay_free, kv_transfer_params = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id)
-            )
-        self.encoder_cache_manager.free(request)
-        self.finished_req_ids.add(request.request_id)
-        if self.finished_req_ids_dict is not None:
-            self.finished_req_ids_dict[request.client_index].add(request.request_id)
-        self.forks.forget(request)
-        if not delay_free:
-            self._free_blocks(request)
-        return kv_transfer_params
-
-    def _free_blocks(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        self.kv_cache_manager.free_block_hashes(request)
-        self.requests.pop(request.request_id, None)
-
-    def _update_from_kv_xfer_finished(self, output: KVConnectorOutput) -> None:
-        if self.connector is not None:
-            self.connector.update_connector_output(output)
-        for req_id in output.finished_recving or ():
-            self.finished_recving_kv_req_ids.add(req_id)
-        for req_id in output.finished_sending or ():
-            request = self.requests.get(req_id)
-            if request is not None:
-                self._free_blocks(request)
+        self.lifecycle.cancel(request_id)
 
     # ------------------------------------------------------------------
     # queries
@@ -801,10 +506,10 @@ class Scheduler(SchedulerInterface):
 
     def has_requests(self) -> bool:
         # The interface's answer in one expression: an engine loop asks every step.
-        return bool(self.running or self.waiting or self.finished_req_ids)
+        return bool(self.running or self.waiting or self.lifecycle.finished_req_ids)
 
     def has_finished_requests(self) -> bool:
-        return len(self.finished_req_ids) > 0
+        return len(self.lifecycle.finished_req_ids) > 0
 
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
@@ -826,7 +531,7 @@ class Scheduler(SchedulerInterface):
             step_counter=self.step_counter,
         )
 
-    def take_kv_events(self) -> list[Any]:
+    def take_kv_events(self) -> list[KVCacheEvent]:
         """Cache events since the last call (including a reset between steps)."""
         events, self.kv_events = self.kv_events, []
         events.extend(self.kv_cache_manager.take_events())
@@ -838,5 +543,5 @@ class Scheduler(SchedulerInterface):
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
 
-    def get_kv_connector(self) -> Any:
+    def get_kv_connector(self) -> KVConnectorBase | None:
         return self.connector

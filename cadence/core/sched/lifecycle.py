@@ -1,0 +1,276 @@
+"""The request lifecycle: a request enters, may fork, finishes and leaves.
+
+    add ──> waiting ──(schedule)──> running ──(stop, finish, cancel)──> freed
+                                      │
+                  n > 1, at its fork point: the parent is replaced by its
+                  n children; those that fit run at once on its blocks,
+                  the others wait holding nothing
+
+``RequestLifecycle`` owns: the checks a new request must pass; starting its
+grammar; the parallel-sampling forks; finishing requests from outside, from
+any thread (cancellation) or because they can never run; freeing a finished
+request (its blocks go back at once, or once a KV connector has sent them);
+and the ids finished since the last step, which the runner and the front
+ends are told about.
+
+It shares the scheduler's ``requests``, ``running`` and ``waiting``: the
+same objects, changed in place and never rebound, so both see one state.
+The scheduler decides who runs; this module only moves requests in and out.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Iterable
+
+from cadence.core.outputs import EngineCoreOutput
+from cadence.core.request import Request, RequestEventType, RequestStatus
+from cadence.core.sched.parallel_sampling import ForkRegistry
+
+if TYPE_CHECKING:
+    from cadence.core.kv_cache import KVCacheManager
+    from cadence.core.sched.encoder import EncoderCacheManager
+    from cadence.core.sched.kv_connector import KVConnectorBase
+    from cadence.core.sched.policy import RequestQueue
+    from cadence.core.sched.structured_output import StructuredOutputManager
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
+
+
+class RequestLifecycle:
+    """Adds, forks, finishes and frees requests; remembers which finished."""
+
+    def __init__(
+        self,
+        requests: dict[str, Request],
+        running: list[Request],
+        waiting: RequestQueue,
+        kv_cache_manager: KVCacheManager,
+        encoder_cache_manager: EncoderCacheManager,
+        *,
+        max_model_len: int,
+        max_num_running_reqs: int,
+        connector: KVConnectorBase | None,
+        structured_output_manager: StructuredOutputManager | None,
+        log_stats: bool,
+        include_finished_set: bool,
+    ) -> None:
+        self.requests = requests
+        self.running = running
+        self.waiting = waiting
+        self.kv_cache_manager = kv_cache_manager
+        self.encoder_cache_manager = encoder_cache_manager
+        self.max_model_len = max_model_len
+        self.max_num_running_reqs = max_num_running_reqs
+        self.connector = connector
+        self.structured_output_manager = structured_output_manager
+        self.log_stats = log_stats
+        self.forks = ForkRegistry(kv_cache_manager.block_size)
+        # Finished since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        # The same per client, for front ends that asked (include_finished_set).
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None
+        )
+        # Thread-safe cancellation: other threads queue ids, schedule() applies them.
+        self._cancel_lock = threading.Lock()
+        self._pending_cancels: set[str] = set()
+        # Running requests the runner has not seen yet (forked children).
+        self.unsent_running: set[str] = set()
+        # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
+        self._orphan_outputs: list[EngineCoreOutput] = []
+        self._orphan_clients: list[int] = []
+
+    # ------------------------------------------------------------------
+    # entering
+    # ------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Check and queue a new request (or, n > 1 with nothing to share, its children)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the scheduler")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {request.num_prompt_tokens} tokens leave no room to generate "
+                f"within max_model_len={self.max_model_len}"
+            )
+        if request.use_structured_output and self.structured_output_manager is None:
+            raise ValueError("structured_outputs: this engine has no grammar backend")
+        if request.sampling_params.n > 1:
+            children = self.forks.prepare(request, self.kv_cache_manager)
+            if children is not None:  # too short to share a block: fork at once
+                for child in children:
+                    self._init_grammar(child)
+                    self._queue(child)
+                return
+        else:
+            self._init_grammar(request)
+        self._queue(request)
+
+    def _init_grammar(self, request: Request) -> None:
+        """Start compiling the request's grammar; it waits in WAITING_FOR_FSM meanwhile."""
+        if request.use_structured_output:
+            self.structured_output_manager.grammar_init(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
+
+    def _queue(self, request: Request) -> None:
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+        if self.log_stats:
+            request.record_event(RequestEventType.QUEUED)
+
+    # ------------------------------------------------------------------
+    # forking (n > 1)
+    # ------------------------------------------------------------------
+
+    def fork(self, parent: Request) -> None:
+        """Replace a parent that computed its shared prefix by its n children.
+
+        Children that fit under max_num_seqs run at once, holding references to
+        the parent's blocks. The others wait holding nothing (a waiting request
+        that held blocks could starve the pool: waiting ones are never
+        preempted); they recompute, or hit the prefix cache, when admitted.
+        """
+        children = self.forks.make_children(parent)
+        self.running.remove(parent)
+        room = self.max_num_running_reqs - len(self.running)
+        waiting_children = []
+        for child in children:
+            self._init_grammar(child)
+            self.requests[child.request_id] = child
+            if room > 0 and child.status == _WAITING:
+                room -= 1
+                self.forks.share_prefix(parent, child, self.kv_cache_manager)
+                child.status = _RUNNING
+                self.running.append(child)
+                self.unsent_running.add(child.request_id)
+            else:
+                waiting_children.append(child)
+        self.kv_cache_manager.free(parent)
+        del self.requests[parent.request_id]
+        self.finished_req_ids.add(parent.request_id)
+        parent.status = RequestStatus.FINISHED_STOPPED
+        if waiting_children:
+            self.waiting.prepend_requests(waiting_children)
+
+    # ------------------------------------------------------------------
+    # finishing
+    # ------------------------------------------------------------------
+
+    def finish(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests (and a forked parent's live children); unknown ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status: {finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        requests = []
+        for req_id in self.forks.expand(request_ids):
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():
+                requests.append(request)
+        if not requests:
+            return
+        running = {r for r in requests if r.status == _RUNNING}
+        if running:
+            self.running[:] = [r for r in self.running if r not in running]
+        waiting = [r for r in requests if r.status != _RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in requests:
+            request.status = finished_status
+            self.free(request)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request from any thread; applied at the start of the next step."""
+        with self._cancel_lock:
+            self._pending_cancels.add(request_id)
+
+    def apply_cancellations(self) -> None:
+        """Abort the requests cancelled since the last call (``schedule()`` calls it first)."""
+        if not self._pending_cancels:
+            return
+        with self._cancel_lock:
+            cancels, self._pending_cancels = self._pending_cancels, set()
+        self.finish(cancels, RequestStatus.FINISHED_ABORTED)
+
+    def abort_unservable(self, request: Request, reason: str) -> None:
+        """Finish a request that can never run; its client hears it in the next outputs.
+
+        The caller has taken it off the waiting queue."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = reason
+        self.free(request)
+        self._orphan_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[],
+                finish_reason=request.get_finished_reason(), stop_reason=reason,
+                parent_request_id=request.parent_request_id,
+            )
+        )
+        self._orphan_clients.append(request.client_index)
+
+    def remove_finished_from_queues(self) -> None:
+        """Drop requests that stopped in this step from ``running`` and ``waiting``."""
+        self.running[:] = [r for r in self.running if r.status <= _PREEMPTED]
+        finished_waiting = [r for r in self.waiting if r.status > _PREEMPTED]
+        if finished_waiting:
+            self.waiting.remove_requests(finished_waiting)
+
+    # ------------------------------------------------------------------
+    # leaving
+    # ------------------------------------------------------------------
+
+    def free(self, request: Request) -> dict[str, Any] | None:
+        """A finished request leaves; its blocks go back unless a connector still
+        sends them. Returns the connector's transfer params for the client."""
+        delay_free, kv_transfer_params = False, None
+        if self.connector is not None:
+            delay_free, kv_transfer_params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)
+            )
+        self.encoder_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(request.request_id)
+        self.forks.forget(request)
+        if not delay_free:
+            self.free_blocks(request)
+        return kv_transfer_params
+
+    def free_blocks(self, request: Request) -> None:
+        """The last step of leaving: blocks back to the pool, the request forgotten."""
+        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free_block_hashes(request)
+        self.requests.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------
+    # what finished, for the step's outputs
+    # ------------------------------------------------------------------
+
+    def take_finished_req_ids(self) -> set[str]:
+        """Ids finished since the last call, for the runner to drop."""
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return finished
+
+    def take_finished_per_client(self) -> dict[int, set[str]]:
+        """Ids finished since the last call, per client (always empty unless
+        ``include_finished_set``)."""
+        finished = self.finished_req_ids_dict
+        if not finished:
+            return {}
+        self.finished_req_ids_dict = defaultdict(set)
+        return finished
+
+    def take_orphan_outputs(self) -> dict[int, list[EngineCoreOutput]]:
+        """Outputs per client of requests finished inside ``schedule()``."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        if self._orphan_outputs:
+            for client, output in zip(self._orphan_clients, self._orphan_outputs):
+                outputs.setdefault(client, []).append(output)
+            self._orphan_outputs, self._orphan_clients = [], []
+        return outputs
