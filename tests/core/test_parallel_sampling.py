@@ -244,3 +244,19 @@ def test_tight_pool_finishes_like_separate_requests(num_blocks, prefix_caching):
     two_families(forked)
     assert streams(run_until_done(forked, FakeRunner(per_child_token), max_steps=300)) == expected
     assert all_blocks_free(forked)
+
+
+def test_a_child_preempted_in_the_step_that_first_sends_it_starts_as_new():
+    # Priority policy: the worst request is a child of "r2", scheduled (and so
+    # first sent) earlier in the same step in which a better request needs its
+    # blocks. The runner never saw it, so it must come back as a new request,
+    # never as "resumed" (a real runner has no state for it).
+    s = new_scheduler(num_gpu_blocks=6, max_num_batched_tokens=16, block_size=4,
+                      enable_prefix_caching=True, policy="priority")
+    s.add_request(new_request("r0", prompt_of("r0", 3), max_tokens=4, priority=0, arrival_time=0))
+    s.add_request(new_request("r1", prompt_of("r1", 2), max_tokens=3, n=3, priority=0, arrival_time=1))
+    s.add_request(new_request("r2", prompt_of("r2", 6), max_tokens=6, n=4, priority=2, arrival_time=2))
+    streams = run_until_done(s, FakeRunner(), max_steps=300)  # the runner asserts it knows every request
+    assert s.num_preemptions_total > 0
+    assert set(streams) == {"r0", "0_r1", "1_r1", "2_r1", "0_r2", "1_r2", "2_r2", "3_r2"}
+    assert all_blocks_free(s)

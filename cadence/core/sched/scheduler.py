@@ -245,13 +245,16 @@ class Scheduler(SchedulerInterface):
             self.running.pop()
         else:
             self.running.remove(request)
+        # A forked child first sent in this very step is taken back before the
+        # runner ever sees it: like an unsent one, it will start as a new request.
+        sent_this_step = request in plan.new
         plan.unschedule(request)
         plan.drop_encoder_inputs(request, self.encoder_cache_manager)
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         unsent = self.lifecycle.unsent_running
-        if request.request_id in unsent:
+        if request.request_id in unsent or sent_this_step:
             # Never sent to the runner: it will start as a new request.
             unsent.discard(request.request_id)
             request.status = _WAITING
