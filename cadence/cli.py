@@ -10,56 +10,19 @@ so each option's default and help text live in ``cadence.config`` only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import runpy
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import Any
 
-from cadence.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from cadence.config_cli import add_config_options, options_of
 from cadence.server.cli import add_bench_serve_parser, add_serve_parser
 from cadence.sim.cli import add_simulate_parser
-
-ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
-
-
-def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:
-    """One ``--option`` per config field; unset options keep the class default."""
-    for cls in classes:
-        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip())
-        hints = typing.get_type_hints(cls)
-        for field in dataclasses.fields(cls):
-            flag = "--" + field.name.replace("_", "-")
-            base = _base_type(hints[field.name])
-            help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
-            if base is bool:
-                group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=help_text)
-            else:
-                group.add_argument(flag, dest=field.name, type=base, default=argparse.SUPPRESS,
-                                   metavar=base.__name__.upper(), help=help_text)
-
-
-def engine_options_from_args(args: argparse.Namespace, classes=ENGINE_OPTION_CLASSES) -> dict[str, Any]:
-    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
-    return {name: value for name, value in vars(args).items() if name in names}
-
-
-def _base_type(annotation: Any) -> type:
-    """int for ``int | None``, etc."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0]
-    return annotation
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from cadence.engine.llm import LLM
     from cadence.sampling_params import SamplingParams
 
-    options = engine_options_from_args(args)
+    options = options_of(args)
     llm = LLM(**options)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)

@@ -248,7 +248,7 @@ class EngineOptions:
             EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}
         }
         for name, value in options.items():
-            owner = next((c for c in groups if name in _field_names(c)), None)
+            owner = next((c for c in groups if name in field_names(c)), None)
             if owner is None:
                 raise ValueError(f"{name}: unknown engine option")
             groups[owner][name] = value
@@ -288,7 +288,8 @@ def refuse_undelivered(scheduler: SchedulerConfig, speculative: SpeculativeConfi
                          f"(supported: {', '.join(DELIVERED_SPEC_METHODS)})")
 
 
-def _field_names(cls: type) -> set[str]:
+def field_names(cls: type) -> set[str]:
+    """The option names of a config class."""
     return {f.name for f in dataclasses.fields(cls)}
 
 

@@ -7,11 +7,19 @@ field's name, so the server can answer HTTP 400 naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 # Temperatures below this are treated as greedy (argmax).
 GREEDY_EPSILON = 1e-5
+# OpenAI allows temperatures up to 2; far beyond that the distribution is
+# noise, and a huge value (1e308) is a mistake rather than a wish.
+MAX_TEMPERATURE = 100.0
+# Every integer crosses to the engine process as msgpack, which carries at most
+# 64 bits: a larger value must be refused here, not fail in the send.
+MAX_INT64 = 2**63 - 1
+MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
 
 
 @dataclass(frozen=True)
@@ -83,14 +91,14 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n, minimum=1)
-        _check_number("temperature", self.temperature, minimum=0.0)
+        _check_number("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
         _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
         if self.top_p == 0.0:
             raise ValueError("top_p: must be in (0, 1], got 0")
         _check_int("top_k", self.top_k, minimum=0)
         _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_seed(self.seed, self.n)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
@@ -101,6 +109,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+            if not _is_valid_unicode(s):
+                raise ValueError("stop: a stop string contains a lone surrogate (not valid Unicode)")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         if self.logprobs is not None:
@@ -130,11 +140,23 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+def _check_int(
+    name: str, value: Any, *, minimum: int | None = None, maximum: int | None = MAX_INT64
+) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: must be <= {maximum}, got {value}")
+
+
+def _check_seed(seed: Any, n: int) -> None:
+    # Sample i of n draws with seed + i (parallel sampling): every one must fit.
+    _check_int("seed", seed, maximum=None)
+    if not 0 <= seed <= MAX_SEED - (n - 1):
+        raise ValueError(f"seed: must be an unsigned 64-bit integer in [0, {MAX_SEED - (n - 1)}] "
+                         f"(sample i of n uses seed + i), got {seed}")
 
 
 def _check_number(
@@ -142,9 +164,18 @@ def _check_number(
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"{name}: must not be NaN")
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, +-inf: no sampler survives them
+        raise ValueError(f"{name}: must be a finite number, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name}: must be <= {maximum}, got {value}")
+
+
+def _is_valid_unicode(text: str) -> bool:
+    """False for a lone surrogate (JSON can escape one): no UTF-8 encoder takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

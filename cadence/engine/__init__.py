@@ -1,5 +1,7 @@
 """The engine: the step loop (``EngineCore``), the offline ``LLM`` API,
-detokenization and stop strings.
+detokenization and stop strings, and the online client: ``AsyncLLM``
+(``async_llm``) runs an ``EngineCore`` in its own process (``core_proc``)
+and talks to it in the messages of ``wire``.
 
 Names are imported on first use: ``cadence.engine.core`` is pure Python, and
 the simulator uses it without loading torch.

@@ -11,9 +11,8 @@ stop string found here is sent back to the engine, which finishes the request
 as FINISHED_STOPPED. The engine process is watched through its sentinel: when
 it dies, requests in flight get ``EngineDeadError`` and new ones are refused.
 
-Wire format: every message is two frames, ``[kind, msgpack payload]``; the
-payload types are the msgspec structs below (core ``Request``s are rebuilt
-in the engine process from ``EngineCoreRequest``).
+The messages on the two sockets are in ``cadence.engine.wire``; the engine
+process's loop is in ``cadence.engine.core_proc``.
 """
 
 from __future__ import annotations
@@ -24,100 +23,37 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Protocol
 
-import msgspec
 import zmq
 import zmq.asyncio
 
+from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
 from cadence.core.request import Request
+from cadence.engine.core_proc import start_engine_process
 from cadence.engine.inputs import make_request
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
+from cadence.engine.wire import (
+    ABORT, ADD, FAILED, FINISH_STOPPED, OUTPUTS, READY, REQUEST_ERROR, SHUTDOWN, UTILITY,
+    UTILITY_RESULT, EngineCoreRequest, EngineReady, UtilityCall, decode, encode,
+)
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
 
 logger = logging.getLogger("cadence.async_llm")
 
-# ---------------------------------------------------------------- wire format
-
-# Front end -> engine.
-ADD, ABORT, FINISH_STOPPED, UTILITY, SHUTDOWN = b"A", b"X", b"S", b"U", b"Q"
-# Engine -> front end.
-OUTPUTS, READY, UTILITY_RESULT, REQUEST_ERROR, FAILED = b"O", b"R", b"U", b"E", b"F"
+# ---------------------------------------------------------------- helpers
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
-    """A core ``Request`` as plain data; validated by the front end already."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    arrival_time: float
-    priority: int = 0
-
-    @classmethod
-    def from_request(cls, request: Request) -> "EngineCoreRequest":
-        return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
-                   request.eos_token_id, request.arrival_time, request.priority)
-
-    def to_request(self, max_model_len: int) -> Request:
-        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                       eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
-                       priority=self.priority, max_model_len=max_model_len)
-
-
-class EngineReady(msgspec.Struct, gc=False):
-    """The handshake: facts about the engine the front end needs."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
-    num_kv_blocks: int
-    block_size: int
-
-
-class UtilityCall(msgspec.Struct, array_like=True, gc=False):
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class UtilityResult(msgspec.Struct, array_like=True, gc=False):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-class RequestError(msgspec.Struct, array_like=True, gc=False):
-    """The engine refused a request (the front end validates, so this is rare)."""
-
-    request_id: str
-    message: str
-
-
-class EngineFailed(msgspec.Struct, gc=False):
-    """The engine could not start, or a step raised; the process exits after this."""
-
-    message: str
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoders = {
-    OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
-    READY: msgspec.msgpack.Decoder(EngineReady),
-    UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult),
-    REQUEST_ERROR: msgspec.msgpack.Decoder(RequestError),
-    FAILED: msgspec.msgpack.Decoder(EngineFailed),
-}
-
-
-def encode(kind: bytes, payload: Any) -> list[bytes]:
-    return [kind, _encoder.encode(payload)]
+def check_priority(priority: Any) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority: must be a signed 64-bit integer in [{MIN_PRIORITY}, "
+                         f"{MAX_PRIORITY}], got {priority}")
 
 
 def new_ipc_addresses() -> tuple[str, str, str]:
@@ -137,6 +73,29 @@ class QueueFullError(RuntimeError):
     """Too many requests wait for a running slot (answered with HTTP 429)."""
 
 
+# The engine orders by priority as a signed 64-bit integer (msgpack carries no more).
+MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class FrontendState:
+    """What requests hold in the front end; all zero when none is in flight.
+
+    Every request takes each of these in ``add_request`` and gives each back
+    when it finishes, is aborted, fails, or is refused half-way (a failed send).
+    """
+
+    open_requests: int  # requests with an output queue, a timing or a sequence count
+    unfinished_seqs: int  # sequences counted against max_num_seqs + the queue limit
+    output_requests: int  # requests the OutputProcessor detokenizes
+    output_routes: int  # engine ids the OutputProcessor routes (a request, or its n children)
+    pending_utility_calls: int
+
+    @property
+    def is_idle(self) -> bool:
+        return not any(getattr(self, f.name) for f in fields(self))
+
+
 # ---------------------------------------------------------------- stats
 
 
@@ -151,6 +110,10 @@ class StatLogger(Protocol):
 
     def record_finished(self, e2e_s: float, ttft_s: float | None, finish_reason: str,
                         num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+    def watch_frontend(self, read: Callable[[], FrontendState]) -> None:
+        """Report ``read()`` when asked (gauges read at scrape time, never stale)."""
+        ...
 
 
 @dataclass
@@ -168,7 +131,7 @@ class _Timing:
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The tokenizer alone (no weights): GGUF metadata, or a Hugging Face folder."""
     from cadence.models.gguf_loader import read_gguf
-    from cadence.models.loader import default_model_path
+    from cadence.models.default_model import default_model_path
 
     path = default_model_path() if model is None else model
     if path.endswith(".gguf"):
@@ -217,9 +180,9 @@ class RequestStream:
 class AsyncLLM:
     """Streams requests through an engine-core process (see the module docstring).
 
-    Life cycle: ``AsyncLLM()`` binds the sockets; the caller starts the engine
-    process on ``input_address`` / ``output_address``; ``await attach(process,
-    tokenizer)`` waits for the handshake; ``shutdown()`` stops both.
+    Life cycle: ``AsyncLLM()`` binds the sockets; ``await start(options,
+    model_name)`` spawns the engine process on them and waits for its
+    handshake; ``shutdown()`` stops both.
     """
 
     def __init__(self, *, stat_logger: StatLogger | None = None,
@@ -251,10 +214,22 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
         self._failure: str | None = None
+        if stat_logger is not None:
+            stat_logger.watch_frontend(self.frontend_state)
 
     # ------------------------------------------------------------ start / stop
 
-    async def attach(self, process: Any, tokenizer: Tokenizer, timeout_s: float = 600.0) -> EngineReady:
+    async def start(self, options: EngineOptions, model_name: str,
+                    timeout_s: float = 600.0) -> EngineReady:
+        """Spawn the engine process, load the tokenizer alone (off the loop, while the
+        engine builds; the weights live in the engine process) and wait for the handshake."""
+        process = start_engine_process(options, self.input_address, self.output_address,
+                                       model_name)
+        self.process = process  # owned from here: shutdown() stops it even if loading fails
+        tokenizer = await asyncio.to_thread(load_tokenizer, options.engine.model)
+        return await self._attach(process, tokenizer, timeout_s)
+
+    async def _attach(self, process: Any, tokenizer: Tokenizer, timeout_s: float) -> EngineReady:
         """Wait for the engine's handshake, then start routing its outputs."""
         self.process, self.tokenizer = process, tokenizer
         self._processor = OutputProcessor(tokenizer)
@@ -272,6 +247,9 @@ class AsyncLLM:
         return self.info
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine process; what is still in flight fails, new requests are refused."""
+        if self._dead is None:
+            self._dead = EngineDeadError("the server is shutting down")
         if self.process is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self.process.sentinel)
@@ -281,11 +259,12 @@ class AsyncLLM:
                 self._send(SHUTDOWN, None)
                 await asyncio.to_thread(self.process.join, timeout_s)
             if self.process.is_alive():
-                self.process.terminate()
+                self.process.kill()  # it ignores SIGTERM (kept for the drain) and did not stop
                 await asyncio.to_thread(self.process.join, timeout_s)
         if self._output_task is not None:
             self._output_task.cancel()
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(self._dead)
+        self._report_engine_gone()
         self._ctx.destroy(linger=0)
         self._send_ctx.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
@@ -298,27 +277,75 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         return len(self._queues)
 
+    def frontend_state(self) -> FrontendState:
+        """The front end's per-request state, for /metrics and the tests' invariant check."""
+        num_states, num_routes = (self._processor.num_entries() if self._processor is not None
+                                  else (0, 0))
+        return FrontendState(
+            open_requests=len(self._queues.keys() | self._timings.keys() | self._num_seqs.keys()),
+            unfinished_seqs=self._num_unfinished_seqs, output_requests=num_states,
+            output_routes=num_routes, pending_utility_calls=len(self._utility_futures))
+
+    @property
+    def seq_capacity(self) -> int | None:
+        """Sequences that may be in flight at once (running or queued); None: no limit."""
+        if self.max_num_queued_requests is None or self.info is None:
+            return None
+        return self.info.max_num_seqs + self.max_num_queued_requests
+
     # ------------------------------------------------------------ requests
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, priority: int = 0,
     ) -> RequestStream:
-        """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError."""
+        """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
+
+        All checks come before the request takes anything; if registering or the
+        send fails anyway, everything it took is given back before the error goes
+        on (a leaked sequence count would answer 429 to every later request).
+        """
         if self._dead is not None:
             raise self._dead
         assert self.info is not None and self.tokenizer is not None and self._processor is not None
+        if request_id in self._queues:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        check_priority(priority)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
                                self.info.max_model_len, priority=priority)
+        self.check_can_ever_admit(params.n)
         self._check_queue(params.n)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._timings[request_id] = _Timing(request.arrival_time, len(prompt_token_ids))
-        self._num_seqs[request_id] = params.n
-        self._num_unfinished_seqs += params.n
-        self._processor.add_request(request_id, prompt, prompt_token_ids, params)
-        self._send(ADD, EngineCoreRequest.from_request(request))
+        message = encode(ADD, EngineCoreRequest.from_request(request))
+        try:
+            queue = self._register(request, prompt)
+            self._input.send_multipart(message, copy=False)
+        except BaseException:
+            self._release(request_id)
+            raise
         return RequestStream(self, request_id, queue)
+
+    def check_can_ever_admit(self, num_seqs: int) -> None:
+        """Refuse (ValueError, HTTP 400) what no wait would let in: more sequences
+        than may run and queue at once. One that would fit later gets 429 instead."""
+        capacity = self.seq_capacity
+        if capacity is not None and num_seqs > capacity:
+            assert self.info is not None
+            raise ValueError(
+                f"n: {num_seqs} sequences can never be admitted: this server runs at most "
+                f"{self.info.max_num_seqs} at once and queues {self.max_num_queued_requests} more "
+                f"(--max-num-seqs, --max-num-queued-requests); ask for at most {capacity}")
+
+    def abort_all(self, reason: str) -> None:
+        """Fail every request in flight with ``EngineDeadError(reason)`` and refuse new
+        ones: the server is stopping. A live engine drops them and frees their blocks."""
+        error = EngineDeadError(reason)
+        if self._dead is None:
+            self._dead = error
+            engine_ids = [engine_id for request_id in self._queues
+                          for engine_id in self._processor.engine_request_ids(request_id)]
+            if engine_ids:
+                self._send(ABORT, engine_ids)
+        self._fail_all(error)
 
     def abort(self, request_id: str) -> None:
         """Forget a request (client gone) and free its blocks in the engine."""
@@ -347,16 +374,34 @@ class AsyncLLM:
 
     def _check_queue(self, num_seqs: int) -> None:
         # Sequences beyond max_num_seqs cannot run: they wait in the engine's queue.
-        if self.max_num_queued_requests is None:
+        capacity = self.seq_capacity
+        if capacity is None:
             return
         assert self.info is not None
-        capacity = self.info.max_num_seqs + self.max_num_queued_requests
         if self._num_unfinished_seqs + num_seqs > capacity:
             num_queued = max(0, self._num_unfinished_seqs - self.info.max_num_seqs)
             raise QueueFullError(
                 f"the server's queue is full: {num_queued} sequences are waiting for one of the "
                 f"{self.info.max_num_seqs} running slots (--max-num-queued-requests "
                 f"{self.max_num_queued_requests}); retry later")
+
+    def _register(self, request: Request, prompt: str | None) -> asyncio.Queue:
+        """Take the front end's state for a request: queue, timing, seats, detokenizer."""
+        assert self._processor is not None
+        request_id, params = request.request_id, request.sampling_params
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._timings[request_id] = _Timing(request.arrival_time, request.num_prompt_tokens)
+        self._num_seqs[request_id] = params.n
+        self._num_unfinished_seqs += params.n
+        self._processor.add_request(request_id, prompt, request.prompt_token_ids, params)
+        return queue
+
+    def _release(self, request_id: str) -> None:
+        """Give back all ``_register`` took (any part of it), without telling the engine."""
+        if self._processor is not None:
+            self._processor.abort(request_id)
+        self._forget(request_id)
 
     def _send(self, kind: bytes, payload: Any) -> None:
         self._input.send_multipart(encode(kind, payload), copy=False)
@@ -378,7 +423,7 @@ class AsyncLLM:
 
     def _dispatch(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], frames[1]
-        message = _decoders[kind].decode(payload)
+        message = decode(kind, payload)
         if kind == OUTPUTS:
             self._handle_outputs(message)
         elif kind == READY:
@@ -409,7 +454,8 @@ class AsyncLLM:
                 queue.put_nowait(result)
             if result.finished:
                 self._forget(result.request_id)
-        if outputs.scheduler_stats is not None and self.stat_logger is not None:
+        # After the engine is gone (or told to stop), a late step must not bring back its gauges.
+        if outputs.scheduler_stats is not None and self.stat_logger is not None and self._dead is None:
             self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
 
     def _record(self, output: RequestOutput, now: float) -> None:
@@ -467,6 +513,13 @@ class AsyncLLM:
         except (RuntimeError, ValueError, OSError, AttributeError):
             pass
         self._fail_all(self._dead)
+        self._report_engine_gone()
+
+    def _report_engine_gone(self) -> None:
+        # A dead or stopped engine runs nothing and holds no KV blocks: /metrics must
+        # not keep showing its last step's running and waiting requests.
+        if self.stat_logger is not None:
+            self.stat_logger.record_scheduler_stats(SchedulerStats())
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._queues):

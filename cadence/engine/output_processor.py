@@ -90,6 +90,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def num_entries(self) -> tuple[int, int]:
+        """(requests, engine ids) tracked; both 0 once nothing is in flight (a leak check)."""
+        return len(self._states), len(self._routes)
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """(updated request outputs, engine ids that stop strings finished)."""
         touched: dict[str, _RequestState] = {}

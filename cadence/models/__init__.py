@@ -12,12 +12,15 @@ from __future__ import annotations
 from cadence._lazy import lazy_exports
 
 _EXPORTS = {
+    "DEFAULT_MODEL_FILE": "cadence.models.default_model",
+    "DEFAULT_MODEL_NAME": "cadence.models.default_model",
     "LlamaForCausalLM": "cadence.models.llama",
     "ModelConfig": "cadence.models.config",
     "Tokenizer": "cadence.models.tokenizer",
     "checkpoint_dtype": "cadence.models.loader",
-    "default_model_path": "cadence.models.loader",
+    "default_model_path": "cadence.models.default_model",
     "load_model": "cadence.models.loader",
+    "model_name_of": "cadence.models.default_model",
 }
 __all__ = sorted(_EXPORTS)
 

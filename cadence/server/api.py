@@ -1,39 +1,58 @@
 """The FastAPI app: routes, and the engine's life cycle inside the app's.
 
     build_app(server_config, engine_options) -> FastAPI
+    GracefulServer(uvicorn_config, app.state.cadence).run(); .exit_code
 
-At start-up the app spawns the engine-core process, loads the tokenizer
-alone (the weights live in the engine process) and waits for the engine's
-handshake; uvicorn starts listening only then. At shutdown it stops the
-engine process.
+At start-up the app starts its ``AsyncLLM``, which spawns the engine-core
+process and waits for its handshake; uvicorn starts listening only then. At
+shutdown it stops the ``AsyncLLM`` and with it the engine process.
+
+Stopping, by ``GracefulServer``:
+
+    SIGTERM / Ctrl-C ──► drain: new requests 503, in flight get --shutdown-timeout s
+                            │ (a second signal cuts it short)
+                            ▼
+                         the rest end with an error (JSON, or SSE error + [DONE])
+                            ▼
+                         uvicorn's shutdown, the engine stops          exit 0
+    engine process dies ──► its requests fail at once; drain; exit 1 (a supervisor restarts)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cadence.config import EngineOptions
-from cadence.engine.async_llm import AsyncLLM, load_tokenizer
+from cadence.engine.async_llm import AsyncLLM
+from cadence.models.default_model import model_name_of
 from cadence.server.config import ServerConfig
-from cadence.server.engine_process import model_name_of, start_engine_process
 from cadence.server.errors import ModelNotFound, error_response, install_error_handlers
 from cadence.server.metrics import CONTENT_TYPE, PrometheusStatLogger
+from cadence.server.middleware import (
+    ApiKeyMiddleware, BodyLimitMiddleware, GateMiddleware, RequestGate,
+)
 from cadence.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
 from cadence.server.serving import OpenAIServing
 
+logger = logging.getLogger("cadence.server")
+# How long the answers of failed requests get to go out before the server stops anyway.
+FLUSH_TIMEOUT_S = 5.0
+
 
 class ServerState:
-    """What the routes share: the engine client, the metrics, the model's name."""
+    """What the routes share: the engine client, the metrics, the model's name, the gate."""
 
     def __init__(self, config: ServerConfig, options: EngineOptions) -> None:
         self.config = config
@@ -42,17 +61,28 @@ class ServerState:
         self.metrics = PrometheusStatLogger(self.model_name)
         self.llm = AsyncLLM(stat_logger=self.metrics,
                             max_num_queued_requests=config.max_num_queued_requests)
-        self.serving = OpenAIServing(self.llm, self.model_name)
+        self.serving = OpenAIServing(self.llm, self.model_name, max_n=config.max_n)
+        self.gate = RequestGate()
         self.created = int(time.time())
 
     async def start(self) -> None:
-        process = start_engine_process(self.options, self.llm.input_address,
-                                       self.llm.output_address, self.model_name)
-        tokenizer = await asyncio.to_thread(load_tokenizer, self.options.engine.model)
-        await self.llm.attach(process, tokenizer)
+        await self.llm.start(self.options, self.model_name)
 
     async def stop(self) -> None:
         await self.llm.shutdown()
+
+    async def drain(self, reason: str, timeout_s: float, cut: Callable[[], bool]) -> None:
+        """Refuse new requests (503, ``reason``); give those in flight ``timeout_s`` to
+        finish (less once ``cut()``), then end the rest with an error and let it go out."""
+        self.gate.close(reason)
+        if await self.gate.wait_idle(timeout_s, cut):
+            return
+        num_left = self.gate.num_in_flight
+        self.llm.abort_all(f"{reason}: the request was still running when the drain ended")
+        logger.warning("cadence: ended %d requests still in flight with an error", num_left)
+        if not await self.gate.wait_idle(FLUSH_TIMEOUT_S):
+            logger.warning("cadence: %d requests had not answered %g s later; stopping anyway",
+                           self.gate.num_in_flight, FLUSH_TIMEOUT_S)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -76,6 +106,12 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     app = FastAPI(title="cadence", lifespan=lifespan)
     app.state.cadence = state
     install_error_handlers(app)
+    # The last added runs first: the gate, then the key, then the body's size.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
+                           protect_metrics=config.metrics_require_api_key)
+    app.add_middleware(GateMiddleware, gate=state.gate)
     llm, serving = state.llm, state.serving
 
     @app.get("/health")
@@ -104,19 +140,7 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         state.check_model(body.model)
-        tokenizer = llm.tokenizer
-        assert tokenizer is not None and llm.info is not None
-        if (body.prompt is None) == (body.messages is None):
-            raise ValueError("prompt: give exactly one of prompt and messages")
-        if body.messages is not None:
-            text = tokenizer.apply_chat_template(
-                [m.as_template_input() for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return JSONResponse({"count": len(tokens), "max_model_len": llm.info.max_model_len,
-                             "tokens": tokens})
+        return JSONResponse(await serving.tokenize(body))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
@@ -139,6 +163,56 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     return app
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, stopping as the module docstring draws.
+
+    The first SIGTERM or Ctrl-C drains (new requests get 503, those in flight
+    get --shutdown-timeout seconds, then an error); a second cuts the drain
+    short; a third is uvicorn's own exit. When the engine process dies, its
+    requests have failed already: the server lets their errors go out and
+    stops with ``exit_code`` 1, so that a supervisor restarts it (as vLLM does).
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._num_signals = 0
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # A signal handler runs between any two bytecodes: it only counts; on_tick acts.
+        self._num_signals += 1
+        if self._num_signals > 2:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's main loop calls this every 0.1 s; True stops the server."""
+        if self._drain is None:
+            self._drain = self._start_drain()
+        if self._drain is not None and self._drain.done():
+            return True
+        return await super().on_tick(counter)
+
+    def _start_drain(self) -> asyncio.Task | None:
+        state, num_signals = self.state, self._num_signals
+        if num_signals:
+            reason, timeout_s = "the server is shutting down", state.config.shutdown_timeout
+            logger.info("cadence: shutting down: %d requests in flight get up to %g s to finish, "
+                        "new ones get 503 (signal again to end them now)",
+                        state.gate.num_in_flight, timeout_s)
+        elif not state.llm.is_alive:
+            # Its requests failed already: the drain only lets their errors go out.
+            reason, timeout_s = "the engine process is not running", FLUSH_TIMEOUT_S
+            self.exit_code = 1
+            logger.error("cadence: the engine is gone: stopping the server with exit code 1, so "
+                         "that a supervisor restarts it")
+        else:
+            return None
+        cut = lambda: self._num_signals > num_signals  # noqa: E731 - a signal since the start
+        return asyncio.create_task(state.drain(reason, timeout_s, cut), name="cadence-drain")
+
+
 def banner(state: ServerState) -> str:
     host = state.config.host
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
@@ -147,7 +221,9 @@ def banner(state: ServerState) -> str:
                        "messages": [{"role": "user", "content": "Why is the sky blue?"}],
                        "max_tokens": 64})
     threads = state.options.engine.num_threads or "torch's default"
+    auth = " -H 'Authorization: Bearer <your --api-key>'" if state.config.api_key else ""
     return (f"cadence: engine core in process {state.llm.process.pid} ({threads} threads, "
             f"max_model_len {state.llm.info.max_model_len})\n"
             f"cadence: serving {state.model_name} at {url}/v1 (OpenAI API; /health, /metrics)\n"
-            f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+            f"  try: curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
+            f"-d '{body}'")

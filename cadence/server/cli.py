@@ -1,6 +1,6 @@
 """``cadence serve`` and ``cadence bench serve``: parsers the main CLI mounts.
 
-    cadence serve [--model PATH] [--host 127.0.0.1] [--port 8000] [every engine option]
+    cadence serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
     cadence bench serve --rate 0.5 --num-prompts 64 [--base-url http://127.0.0.1:8000]
 
 Options are generated from ``ServerConfig`` and the engine's config classes
@@ -11,22 +11,22 @@ wait until a command runs, so mounting these parsers costs nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 from typing import Any
 
-from cadence.server.config import ServerConfig
+from cadence.config_cli import add_config_options, options_of
+from cadence.server.config import API_KEY_ENV, ServerConfig
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from cadence.cli import add_config_options  # here: cadence.cli imports this module
-
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (the engine core runs in its own process)",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                     "/detokenize, /health and /metrics. Listens on 127.0.0.1 unless --host says "
-                    "otherwise.")
+                    f"otherwise. With --api-key (or {API_KEY_ENV}) every route but /health (and "
+                    "/metrics) needs 'Authorization: Bearer <key>'. SIGTERM drains in-flight "
+                    "requests (--shutdown-timeout); the process exits 1 if the engine dies.")
     add_config_options(parser, (ServerConfig,))
     add_config_options(parser)
     parser.set_defaults(func=cmd_serve)
@@ -47,16 +47,18 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    """The options given, and the API key from the environment when --api-key is not."""
+    values = options_of(args, (ServerConfig,))
+    if "api_key" not in values and os.environ.get(API_KEY_ENV):
+        values["api_key"] = os.environ[API_KEY_ENV]
+    return ServerConfig(**values)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cadence.cli import engine_options_from_args
     from cadence.config import EngineOptions
 
     config = server_config_from_args(args)
-    engine_options = engine_options_from_args(args)
+    engine_options = options_of(args)
     engine_options.setdefault("num_threads", serving_threads())
     options = EngineOptions.from_kwargs(**engine_options)
     model = options.engine.model
@@ -74,21 +76,24 @@ def serving_threads() -> int:
 
 
 def run_server(config: ServerConfig, options: Any) -> int:
+    """Serve until a signal (exit code 0) or the engine's death (1; a supervisor restarts)."""
     import uvicorn
 
-    from cadence.server.api import build_app
+    from cadence.server.api import FLUSH_TIMEOUT_S, GracefulServer, build_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = build_app(config, options)
-    server = uvicorn.Server(uvicorn.Config(
+    # The drain (GracefulServer) has answered every request before uvicorn's own
+    # shutdown starts: its timeout only bounds closing idle connections.
+    server = GracefulServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.access_log, timeout_graceful_shutdown=3, lifespan="on",
-    ))
+        access_log=config.access_log, lifespan="on",
+        timeout_graceful_shutdown=int(FLUSH_TIMEOUT_S)), app.state.cadence)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+    except KeyboardInterrupt:  # uvicorn re-raises a third Ctrl-C after its forced shutdown
         pass
-    return 0 if server.started else 1
+    return server.exit_code if server.started else 1
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cadence.config import _require, option
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+API_KEY_ENV = "CADENCE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,34 @@ class ServerConfig:
     max_num_queued_requests: int = option(
         1024, "Sequences that may wait for a running slot beyond --max-num-seqs; "
               "further requests get HTTP 429.")
+    # 16: each of n samples costs a full generation; n 1000 held the engine for 83 s.
+    max_n: int = option(16, "Most completions (n) one request may ask for; more get HTTP 400.")
     access_log: bool = option(False, "Log every HTTP request.")
     log_level: str = option("info", "Server log level: critical, error, warning, info, debug.")
+    # Not option(): repr=False keeps the key out of logs and tracebacks.
+    api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "Require 'Authorization: Bearer <key>' on /v1/* and the admin routes (/tokenize, "
+        "/detokenize, /reset_prefix_cache, /docs); others get HTTP 401. Also read from the "
+        f"{API_KEY_ENV} environment variable. /health stays open.")})
+    metrics_require_api_key: bool = option(
+        False, "With --api-key, protect /metrics too (default: open, for Prometheus scrapers).")
+    # 8 MiB: a prompt of a million token ids as JSON (~7 bytes each), or ~2M tokens of
+    # English text, far beyond any context served here, yet small enough that a body is
+    # never a memory or event-loop hazard (a 20 MB prompt froze the server for 37 s).
+    max_request_body_bytes: int = option(
+        8 * 1024 * 1024, "Largest request body in bytes; a larger one gets HTTP 413 as soon as "
+                         "its Content-Length or its bytes so far pass the limit.")
+    # 15 s: the drain and the engine's stop (at most 10 s more) fit in Kubernetes'
+    # default 30 s grace period. vLLM's --shutdown-timeout defaults to 0 (abort at once).
+    shutdown_timeout: float = option(
+        15.0, "Seconds that requests in flight get to finish after SIGTERM or Ctrl-C (new "
+              "requests get 503 meanwhile); those still running then end with an error. A "
+              "second signal ends them at once.")
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, "port", "must be in [0, 65536)")
         _require(self.max_num_queued_requests >= 0, "max_num_queued_requests", "must be >= 0")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+        _require(self.api_key != "", "api_key", "must not be empty")
+        _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
+        _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")

@@ -8,10 +8,16 @@ Every failure a request can meet maps to one status here:
     QueueFullError                    429
     GenerationFailed (engine died)    500  for requests that were in flight
     EngineDeadError                   503  for new requests, and /health
+    anything else (a bug)             500  logged; the connection stays usable
+
+A request that names something it cannot have (n above --max-n, more tokens
+than the context holds, more sequences than the server can ever admit) is a
+400; only a request that would fit later gets 429.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -19,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cadence.engine.async_llm import EngineDeadError, QueueFullError
 
@@ -28,6 +35,7 @@ ERROR_TYPES = {
     503: "service_unavailable",
 }
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+logger = logging.getLogger("cadence.server")
 
 
 class ModelNotFound(Exception):
@@ -44,8 +52,14 @@ class ClientGone(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
-                      "param": param, "code": status}}
+    return {"error": {"message": utf8_safe(message), "type": ERROR_TYPES.get(status, "error"),
+                      "param": utf8_safe(param) if param is not None else None, "code": status}}
+
+
+def utf8_safe(text: str) -> str:
+    """``text`` with any lone surrogate written as ``\\ud800``: an error that quotes
+    the request must not fail to encode itself."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -82,7 +96,43 @@ def _is_type_name(part: str) -> bool:
         "function-") or part[:1].isupper()
 
 
+class InternalErrorMiddleware:
+    """A bug answers a JSON 500 in OpenAI's shape, and the connection stays open.
+
+    Left to Starlette, an unhandled exception answers plain text and is raised
+    again, and uvicorn then closes the keep-alive connection: the client's next
+    request would fail too. An exception after the response started (a stream)
+    cannot be answered any more and goes on up.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception:
+            if started:
+                raise
+            logger.exception("cadence: internal error answering %s %s", scope.get("method"),
+                             scope.get("path"))
+            response = error_response(500, "internal server error (details are in the server log)")
+            await response(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_middleware(InternalErrorMiddleware)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
         return validation_error_response(err)

@@ -4,14 +4,30 @@ Gauges come from the ``SchedulerStats`` that ride on every step's outputs;
 request latencies (TTFT, time per output token, end to end) are measured in
 the front end, where the client's clock runs. Counters get ``_total`` on
 export, as Prometheus wants (``cadence:prompt_tokens_total``).
+
+The ``cadence:frontend_*`` gauges are the state requests hold in the front end
+(``AsyncLLM.frontend_state``), read at scrape time: all zero when no request
+is in flight, so a leak shows as a gauge that never comes back to zero.
 """
 
 from __future__ import annotations
+
+from dataclasses import fields
+from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cadence.core.outputs import SchedulerStats
+from cadence.engine.async_llm import FrontendState
+
+_FRONTEND_DOCS = {
+    "open_requests": "Requests the front end holds state for (output queue, timing, sequences).",
+    "unfinished_seqs": "Sequences counted against --max-num-seqs plus --max-num-queued-requests.",
+    "output_requests": "Requests the front end's output processor detokenizes.",
+    "output_routes": "Engine request ids the output processor routes (a request or its n children).",
+    "pending_utility_calls": "Utility calls (stats, reset_prefix_cache) awaiting the engine's answer.",
+}
 
 prometheus_client.disable_created_metrics()
 
@@ -71,6 +87,8 @@ class PrometheusStatLogger:
             "request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS)
         self._num_queries = 0
         self._num_hits = 0
+        self._frontend_gauges = {f.name: gauge(f"frontend_{f.name}", _FRONTEND_DOCS[f.name])
+                                 for f in fields(FrontendState)}
 
     # ---- StatLogger ---------------------------------------------------
 
@@ -107,6 +125,10 @@ class PrometheusStatLogger:
         self.request_generation_tokens.observe(num_generation_tokens)
         if ttft_s is not None and num_generation_tokens > 1:
             self.request_time_per_output_token.observe((e2e_s - ttft_s) / (num_generation_tokens - 1))
+
+    def watch_frontend(self, read: Callable[[], FrontendState]) -> None:
+        for name, frontend_gauge in self._frontend_gauges.items():
+            frontend_gauge.set_function(lambda name=name: getattr(read(), name))
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

@@ -7,10 +7,17 @@ vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
 Fields OpenAI or vLLM define that change the answer but cadence does not
 implement yet (``logit_bias``, tool calls, guided decoding, ...) are refused
 with a 400 when set, never silently dropped.
+
+Values no encoder downstream can take are refused here too, naming the
+field: a lone surrogate (JSON may escape one, ``"\\ud800"``; the tokenizer,
+msgpack and the response's UTF-8 all fail on it), a message without content,
+and ``chat_template_kwargs`` that would collide with the template's own
+arguments.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,6 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cadence.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Names the chat template's renderer sets itself (the parameters of
+# Tokenizer.apply_chat_template and render_chat_template, and the globals
+# templates call): a chat_template_kwargs key among them would collide.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "self", "template", "messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+    "raise_exception", "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace",
+})
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +56,26 @@ _CHAT_NOT_YET_SUPPORTED: dict[str, Any] = {
 }
 
 
+def refuse_lone_surrogates(data: Any) -> None:
+    """Raise ``ValueError("messages.0.content: ...")`` for the first string in the
+    body that holds a lone surrogate. Iterative: the body may nest deeply."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise ValueError(f"{path or 'body'}: contains a lone surrogate (such as \\ud800), "
+                                 "which is not valid Unicode")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and _LONE_SURROGATE.search(key):
+                    raise ValueError(f"{path or 'body'}: a key contains a lone surrogate, "
+                                     "which is not valid Unicode")
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+
+
 def _refuse_unsupported(data: Any, table: dict[str, Any]) -> None:
     if not isinstance(data, dict):
         return
@@ -60,6 +95,12 @@ class _Sampling(BaseModel):
     @classmethod
     def _refuse_not_yet_supported(cls, data: Any) -> Any:
         _refuse_unsupported(data, _NOT_YET_SUPPORTED)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)
         return data
 
     model: str | None = None
@@ -154,12 +195,28 @@ class ChatMessage(BaseModel):
 
     def as_template_input(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if self.content is None:  # an assistant turn may have none; templates expect a string
+            message["content"] = ""
+        elif isinstance(self.content, list):
             for part in self.content:
                 if part.type != "text":
                     raise ValueError(f"messages: content parts of type {part.type!r} are not supported")
             message["content"] = "".join(part.text or "" for part in self.content)
         return message
+
+
+def check_contents(messages: list[ChatMessage]) -> None:
+    """Only an assistant turn may come without content (OpenAI's rule too)."""
+    for i, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":
+            raise ValueError(f"messages.{i}.content: required for a {message.role} message")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here: the "
+                         "server passes them to the template itself (use the request's own fields)")
 
 
 class ResponseFormat(BaseModel):
@@ -184,6 +241,12 @@ class ChatCompletionRequest(_Sampling):
     def _refuse_chat_not_yet_supported(cls, data: Any) -> Any:
         _refuse_unsupported(data, _CHAT_NOT_YET_SUPPORTED)
         return data
+
+    @model_validator(mode="after")
+    def _check_conversation(self) -> "ChatCompletionRequest":
+        check_contents(self.messages)
+        check_template_kwargs(self.chat_template_kwargs)
+        return self
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model: none, since no tool call
@@ -224,6 +287,18 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)
+        return data
+
+    @model_validator(mode="after")
+    def _check_conversation(self) -> "TokenizeRequest":
+        if self.messages is not None:
+            check_contents(self.messages)
+        return self
 
 
 class DetokenizeRequest(BaseModel):

@@ -2,9 +2,14 @@
 
 A request becomes one engine request per prompt (``n`` completions each);
 validation happens before anything is sent, so a bad request costs the engine
-nothing. Streams send one SSE chunk per choice per update; a client that
-goes away closes its streams, which aborts the engine requests and frees
-their KV blocks.
+nothing. A request that could never be served (``n`` above ``max_n``, more
+tokens than the context holds, more sequences than the server ever admits)
+is refused with a 400; only one that would fit later gets a 429. Chat
+templates and tokenization run in a worker thread: a prompt of megabytes
+must not stall the event loop, and with it every other client and /health.
+Streams send one SSE chunk per choice per update; a client that goes away
+closes its streams, which aborts the engine requests and frees their KV
+blocks.
 """
 
 from __future__ import annotations
@@ -14,15 +19,19 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from cadence.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from cadence.engine.inputs import prompt_token_ids
 from cadence.engine.outputs import RequestOutput
+from cadence.models.tokenizer import Tokenizer
+from cadence.sampling_params import SamplingParams
 from cadence.server.errors import ClientGone, GenerationFailed, error_body
 from cadence.server.formatting import SSE_DONE, ChatLogprobs, CompletionLogprobs, TextDelta, sse, usage
-from cadence.server.protocol import ChatCompletionRequest, CompletionRequest
+from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -30,16 +39,23 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class OpenAIServing:
     """The two generation endpoints over one ``AsyncLLM``."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_n: int = 16) -> None:
+        if max_n < 1:
+            raise ValueError(f"max_n: must be >= 1, got {max_n}")
         self.llm = llm
         self.model_name = model_name
+        self.max_n = max_n
 
     # ------------------------------------------------------------ completions
 
     async def completions(self, body: CompletionRequest, raw: Request):
+        self._check_n(body.n)
         params = body.to_sampling_params()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompts = [self._completion_prompt(p) for p in body.prompts()]
+        prompts = await asyncio.to_thread(self._completion_prompts, body)
+        for _, token_ids in prompts:
+            check_fits_context(len(token_ids), params, self._max_model_len)
+        self.llm.check_can_ever_admit(params.n * len(prompts))
         streams = self._submit(request_id, prompts, params, body.priority)
         created = int(time.time())
         if body.stream:
@@ -59,6 +75,10 @@ class OpenAIServing:
             "id": request_id, "object": "text_completion", "created": created,
             "model": self.model_name, "choices": choices, "usage": usage(finals),
         })
+
+    def _completion_prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt; runs in a worker thread."""
+        return [self._completion_prompt(p) for p in body.prompts()]
 
     def _completion_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         assert self.llm.tokenizer is not None
@@ -99,17 +119,16 @@ class OpenAIServing:
     # ------------------------------------------------------------ chat
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self._check_n(body.n)
         params = body.to_sampling_params()
         tools = body.template_tools()
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
-        try:
-            text = tokenizer.apply_chat_template(
-                body.conversation(), add_generation_prompt=body.add_generation_prompt,
-                tools=tools, **(body.chat_template_kwargs or {}))
-        except ValueError as err:
-            raise ValueError(f"messages: {err}") from None
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        text, token_ids = await asyncio.to_thread(
+            render_chat, tokenizer, body.conversation(), body.add_generation_prompt, tools,
+            body.chat_template_kwargs)
+        tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        check_fits_context(len(token_ids), params, self._max_model_len, "messages", tokens_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = self._submit(request_id, [(text, token_ids)], params, body.priority)
@@ -168,7 +187,35 @@ class OpenAIServing:
             yield sse({**head, "choices": [], "usage": usage([final])})
         yield SSE_DONE
 
+    # ------------------------------------------------------------ tokenize
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """/tokenize: the token ids of a prompt, or of a conversation as the chat
+        template renders it (in a worker thread, as for generation)."""
+        tokenizer = self.llm.tokenizer
+        assert tokenizer is not None
+        if (body.prompt is None) == (body.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        if body.messages is not None:
+            conversation = [m.as_template_input() for m in body.messages]
+            _, tokens = await asyncio.to_thread(render_chat, tokenizer, conversation,
+                                                body.add_generation_prompt)
+        else:
+            tokens = await asyncio.to_thread(tokenizer.encode, body.prompt or "",
+                                             add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self._max_model_len, "tokens": tokens}
+
     # ------------------------------------------------------------ shared
+
+    @property
+    def _max_model_len(self) -> int:
+        assert self.llm.info is not None
+        return self.llm.info.max_model_len
+
+    def _check_n(self, n: int) -> None:
+        # Each of n samples is a whole generation: n is bounded like any other cost.
+        if n > self.max_n:
+            raise ValueError(f"n: must be <= {self.max_n} (this server's --max-n), got {n}")
 
     def _submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params,
                 priority: int) -> list[RequestStream]:
@@ -186,10 +233,53 @@ class OpenAIServing:
         return streams
 
 
+def render_chat(tokenizer: Tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a conversation; runs in a worker thread.
+
+    The template is the model's and renders every well-formed conversation, so
+    a failure is the request's (an odd message, a chat_template_kwargs value
+    the template cannot use): a 400 naming messages, never a 500.
+    """
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             tools=tools, **(template_kwargs or {}))
+    except ValueError as err:  # the template's raise_exception (roles out of order, ...)
+        raise ValueError(f"messages: {err}") from None
+    except (jinja2.TemplateError, TypeError) as err:  # e.g. a kwarg of a type it cannot use
+        extra = " with these chat_template_kwargs" if template_kwargs else ""
+        raise ValueError(f"messages: the model's chat template cannot render this conversation"
+                         f"{extra} ({type(err).__name__}: {err})") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_fits_context(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
+                       prompt_field: str = "prompt", tokens_field: str = "max_tokens") -> None:
+    """Refuse an output the context cannot hold, saying how much room there is
+    (vLLM's message); the engine would otherwise cut it short without a word."""
+    if num_prompt_tokens >= max_model_len:
+        return  # no room at all: make_request refuses the prompt itself
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(
+            f"{tokens_field}: This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {num_prompt_tokens + params.max_tokens} tokens "
+            f"({num_prompt_tokens} in the {prompt_field}, {params.max_tokens} in the completion). "
+            f"Please reduce the length of the {prompt_field} or completion: at most {room} "
+            "completion tokens fit.")
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens: {params.min_tokens} tokens cannot follow a "
+                         f"{num_prompt_tokens}-token {prompt_field} in the model's context of "
+                         f"{max_model_len} tokens; at most {room} fit")
+
+
 def event_stream(chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
     """An SSE response; an engine failure mid-stream becomes an error event (the
     ``openai`` client raises it), and however the stream ends, its requests close:
-    a client that disconnects cancels the iteration, which aborts them."""
+    a client that disconnects cancels the iteration, which aborts them. The
+    background close covers a client gone before the first chunk (the
+    iteration never starts, so its ``finally`` never runs)."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -197,13 +287,21 @@ def event_stream(chunks: AsyncIterator[str], streams: list[RequestStream]) -> St
                 yield chunk
         except EngineDeadError as err:
             yield sse(error_body(500, f"generation failed: {err}"))
+            yield SSE_DONE  # as vLLM: the error event, then the stream's usual end
         except ValueError as err:
             yield sse(error_body(400, str(err)))
+            yield SSE_DONE
         finally:
             for stream in streams:
                 stream.close()
 
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=BackgroundTask(close_all, streams))
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -48,7 +48,7 @@ def _config_classes() -> tuple[type, ...]:
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    from cadence.cli import add_config_options
+    from cadence.config_cli import add_config_options
 
     add_config_options(parser, _config_classes())
     # Replaces SchedulerConfig's generated --policy: here it takes a list.
@@ -89,7 +89,7 @@ def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cadence.cli import engine_options_from_args
+    from cadence.config_cli import options_of
     from cadence.config import EngineOptions
     from cadence.sim.cost_model import make_cost_model
     from cadence.sim.metrics import SLO
@@ -97,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from cadence.sim.workload import SyntheticWorkload, read_trace, write_trace
 
     scheduler_cls, cache_cls, workload_cls = _config_classes()
-    options = EngineOptions.from_kwargs(**engine_options_from_args(args, (scheduler_cls, cache_cls)))
+    options = EngineOptions.from_kwargs(**options_of(args, (scheduler_cls, cache_cls)))
     if options.cache.enable_kv_cache_events:
         raise ValueError("enable_kv_cache_events: not supported yet by the simulator "
                          "(it would record events and publish none)")
@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         specs = read_trace(args.trace)
         workload: dict[str, Any] = {"trace": args.trace}
     else:
-        synthetic = SyntheticWorkload(**engine_options_from_args(args, (workload_cls,)))
+        synthetic = SyntheticWorkload(**options_of(args, (workload_cls,)))
         specs = synthetic.generate()
         workload = {"synthetic": vars_of(synthetic)}
     if args.save_trace:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cadence.sampling_params import SamplingParams, StructuredOutputParams
+from cadence.sampling_params import MAX_INT64, MAX_TEMPERATURE, SamplingParams, StructuredOutputParams
 
 
 @pytest.mark.parametrize("field,value", [
@@ -36,3 +36,50 @@ def test_structured_outputs_exactly_one():
         StructuredOutputParams(regex="a", choice=["b"])
     p = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
     assert p.structured_outputs.choice == ["yes", "no"]
+
+
+# ---- bounds: every value must be finite and must cross to the engine (msgpack: 64 bits)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_numbers_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+def test_temperature_is_bounded():
+    assert SamplingParams(temperature=MAX_TEMPERATURE).temperature == MAX_TEMPERATURE
+    with pytest.raises(ValueError, match="^temperature: must be <= "):
+        SamplingParams(temperature=1e308)
+
+
+@pytest.mark.parametrize("field", ["n", "top_k", "max_tokens", "min_tokens", "logprobs",
+                                   "prompt_logprobs"])
+def test_integers_beyond_64_bits_are_refused(field):
+    SamplingParams(**{field: MAX_INT64, **({"max_tokens": None} if field == "min_tokens" else {})})
+    with pytest.raises(ValueError, match=f"^{field}: must be <= {MAX_INT64}"):
+        SamplingParams(**{field: MAX_INT64 + 1})
+    with pytest.raises(ValueError, match="^stop_token_ids: "):
+        SamplingParams(stop_token_ids=[2**64])
+
+
+def test_seed_is_an_unsigned_64_bit_integer():
+    assert SamplingParams(seed=0).seed == 0
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    for seed in (-1, 2**64, 10**30):
+        with pytest.raises(ValueError, match="^seed: must be an unsigned 64-bit integer"):
+            SamplingParams(seed=seed)
+
+
+def test_every_sample_of_n_gets_a_seed_that_fits():
+    # Sample i of n draws with seed + i: the last one must fit too.
+    assert SamplingParams(n=3, seed=2**64 - 3).seed == 2**64 - 3
+    with pytest.raises(ValueError, match=r"^seed: .*\[0, 18446744073709551613\]"):
+        SamplingParams(n=3, seed=2**64 - 2)
+
+
+def test_a_stop_string_with_a_lone_surrogate_is_refused():
+    with pytest.raises(ValueError, match="^stop: .*surrogate"):
+        SamplingParams(stop=["ok", "\ud800"])

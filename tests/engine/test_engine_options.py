@@ -140,7 +140,7 @@ def test_every_cli_flag_is_delivered_or_refused():
     """Each generated flag is one the engine uses; the refused ones say so in their help."""
     import argparse
 
-    from cadence.cli import add_config_options
+    from cadence.config_cli import add_config_options
     from cadence.config import UNDELIVERED_SCHEDULER_OPTIONS
 
     parser = argparse.ArgumentParser()

@@ -1,6 +1,8 @@
 """Start and stop a real ``cadence serve`` on a free loopback port (a subprocess),
 and read its /metrics. The engine runs on one thread with a small KV cache:
 other jobs share the machine, and the tests ask for a few tokens per request.
+``fuzz`` drives a server with schemathesis (tests/server/test_fuzz.py and
+bench/server_fuzz.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -123,3 +125,108 @@ def wait_until(condition, timeout_s: float = 60.0, interval_s: float = 0.25) -> 
             return True
         time.sleep(interval_s)
     return condition()
+
+
+# ---------------------------------------------------------------- fuzzing (schemathesis)
+
+# Generated values are capped so that a case costs the engine a few tokens at most;
+# everything else (types, signs, strings, nesting) stays as schemathesis made it.
+FUZZ_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2, "best_of": 2}
+FUZZ_MAX_PROMPTS = 4
+
+
+@dataclass
+class FuzzReport:
+    num_cases: int = 0
+    statuses: dict[str, dict[int, int]] = field(default_factory=dict)  # operation -> status -> count
+    findings: list[str] = field(default_factory=list)  # 5xx answers, requests over the time bound
+    slowest_s: float = 0.0
+
+    def record(self, label: str, body: object, status: int | None, detail: str,
+               elapsed_s: float) -> None:
+        """One case's answer (``status`` None: no answer, ``detail`` says why)."""
+        self.num_cases += 1
+        self.slowest_s = max(self.slowest_s, elapsed_s)
+        if status is not None:
+            statuses = self.statuses.setdefault(label, {})
+            statuses[status] = statuses.get(status, 0) + 1
+        if status is None or status >= 500:
+            self.findings.append(f"{label}: {status or 'no answer'} {detail[:300]} (body {_short(body)})")
+
+
+def fuzz(base_url: str, model: str, max_examples: int, *, headers: dict[str, str] | None = None,
+         response_timeout_s: float = 30.0, seed: int | None = None) -> FuzzReport:
+    """Every operation of the server's OpenAPI schema, with up to ``max_examples`` cases
+    that fit the schema and as many that do not (schemathesis); no shrinking, nothing
+    raises: what went wrong is in the report. ``seed`` None: the same cases every run."""
+    return Fuzzer(base_url, model, max_examples, headers or {}, response_timeout_s, seed).run()
+
+
+@dataclass
+class Fuzzer:
+    base_url: str
+    model: str
+    max_examples: int
+    headers: dict[str, str]
+    response_timeout_s: float
+    seed: int | None
+
+    def run(self) -> FuzzReport:
+        import schemathesis
+        from hypothesis.errors import Unsatisfiable
+
+        report = FuzzReport()
+        schema = schemathesis.openapi.from_url(f"{self.base_url}/openapi.json", headers=self.headers)
+        for result in schema.get_all_operations():
+            for mode in schemathesis.GenerationMode:
+                try:
+                    self._test(result.ok(), mode, report)()
+                except Unsatisfiable:  # no parameters to break: nothing to send in negative mode
+                    pass
+        return report
+
+    def _test(self, operation, mode, report: FuzzReport):
+        """A hypothesis test that sends ``operation``'s generated cases and records them."""
+        import requests
+        from hypothesis import HealthCheck, Phase, given, settings
+        from hypothesis import seed as hypothesis_seed
+
+        @settings(max_examples=self.max_examples, deadline=None, database=None,
+                  derandomize=self.seed is None, phases=[Phase.explicit, Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(operation.as_strategy(generation_mode=mode))
+        def test(case) -> None:
+            if isinstance(case.body, dict):
+                keep_cheap(case.body, self.model)
+            start = time.monotonic()
+            try:
+                response = case.call(base_url=self.base_url, headers=self.headers,
+                                     timeout=self.response_timeout_s)
+                status, detail = response.status_code, response.text
+            except requests.RequestException as err:
+                status, detail = None, f"{type(err).__name__}: {err}"
+            report.record(operation.label, case.body, status, detail, time.monotonic() - start)
+
+        return test if self.seed is None else hypothesis_seed(self.seed)(test)
+
+
+def keep_cheap(body: dict, model: str) -> None:
+    """Cap the costly values of a generated body in place (see FUZZ_CAPS); a string
+    ``model`` becomes the served one, so that cases reach generation, not a 404."""
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        # A chat without one, or a completion with max_tokens null, may fill the context.
+        body["max_tokens"] = FUZZ_CAPS["max_tokens"]
+    for name, cap in FUZZ_CAPS.items():
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            body[name] = cap
+    for name in ("prompt", "messages"):
+        if isinstance(body.get(name), list) and body[name] and isinstance(body[name][0], (list, dict, str)):
+            body[name] = body[name][:FUZZ_MAX_PROMPTS]
+    if isinstance(body.get("model"), str):
+        body["model"] = model
+
+
+def _short(body: object) -> str:
+    text = repr(body)
+    return text if len(text) <= 300 else text[:300] + "..."

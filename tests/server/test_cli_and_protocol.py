@@ -12,7 +12,7 @@ import pytest
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from cadence.core.request import FinishReason
-from cadence.engine import async_llm as wire
+from cadence.engine import wire
 from cadence.sampling_params import SamplingParams
 from cadence.server.bench import arrival_gaps, percentiles
 from cadence.server.cli import add_bench_serve_parser, add_serve_parser, build_parser, server_config_from_args
@@ -27,9 +27,9 @@ def test_serve_parser_defaults_and_engine_options():
     args = parser.parse_args(["serve", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
     config = server_config_from_args(args)
     assert (config.host, config.port) == ("127.0.0.1", 8000)
-    from cadence.cli import engine_options_from_args
+    from cadence.config_cli import options_of
 
-    options = EngineOptions.from_kwargs(**engine_options_from_args(args))
+    options = EngineOptions.from_kwargs(**options_of(args))
     assert options.scheduler.max_num_seqs == 4 and not options.cache.enable_prefix_caching
     assert options.engine.model is None
     help_text = sub.choices["serve"].format_help()

@@ -1,6 +1,6 @@
-"""A full queue answers 429; a dead engine fails requests in flight, refuses new
-ones with 503 and fails /health, instead of hanging. One small server:
-two running slots, one queued."""
+"""A full queue answers 429; a dead engine fails requests in flight instead of
+hanging, and the server exits non-zero. One small server: two running slots,
+one queued."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 
-import httpx
 import openai
 import pytest
 
@@ -74,8 +73,6 @@ def test_engine_death_fails_requests_instead_of_hanging(server, client):
     assert not thread.is_alive()
     assert isinstance(in_flight.get("error"), openai.InternalServerError)
 
-    with pytest.raises(openai.APIStatusError) as err:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert err.value.status_code == 503
-    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 503
-    assert server.process.poll() is None  # the front end stays up to answer 503s
+    # Then the front end exits non-zero, so that a supervisor restarts it (until it
+    # has, new requests and /health get 503): tests/server/test_server_lifecycle.py.
+    assert server.process.wait(30) != 0

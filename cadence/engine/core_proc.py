@@ -7,10 +7,11 @@ The loop, in the spawned process:
             blocking on it while there is no work
         if there is work: step once, send the EngineCoreOutputs (+ SchedulerStats)
 
-Messages are the msgspec structs of ``cadence.engine.async_llm``. Nothing here
+Messages are the msgspec structs of ``cadence.engine.wire``. Nothing here
 detokenizes or speaks HTTP: that is the front end's job, in another process,
 so it never stalls a step. The process exits on a shutdown message, when its
 parent dies, or after reporting a failed step (``EngineFailed``).
+``AsyncLLM.start`` spawns it with ``start_engine_process``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import signal
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -28,18 +28,9 @@ import zmq
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, PrefixCacheStats
-from cadence.engine import async_llm as wire
+from cadence.engine import wire
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent lives
-
-
-def model_name_of(model: str | None) -> str:
-    """What /v1/models calls the model: the default's name, or the file/folder name."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    name = Path(model.rstrip("/")).name
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def start_engine_process(
@@ -61,6 +52,9 @@ def run_engine_core(options: EngineOptions, input_address: str, output_address: 
     # Ctrl-C reaches the whole process group: the front end handles it and
     # sends us a shutdown message (or dies, which we notice).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM to the whole group (systemd, Kubernetes) must not cut the drain:
+    # the front end drains, then sends shutdown; we also exit if it dies.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

@@ -1,0 +1,52 @@
+"""Config dataclasses as command-line options, written once for every CLI.
+
+    add_config_options(parser, classes)   one --flag per field (help and default from the class)
+    options_of(args, classes)             the flags the user gave, by field name
+
+``cadence generate``, ``cadence serve`` and ``cadence simulate`` all build
+their options here; a leaf module (stdlib and ``cadence.config`` only), so
+the CLIs import it and never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from cadence.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, field_names
+
+ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
+
+
+def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:
+    """One ``--option`` per config field; unset options keep the class default."""
+    for cls in classes:
+        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip())
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            flag = "--" + field.name.replace("_", "-")
+            base = _base_type(hints[field.name])
+            help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
+            if base is bool:
+                group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(flag, dest=field.name, type=base, default=argparse.SUPPRESS,
+                                   metavar=base.__name__.upper(), help=help_text)
+
+
+def options_of(args: argparse.Namespace, classes=ENGINE_OPTION_CLASSES) -> dict[str, Any]:
+    """The options given on the command line that belong to ``classes``."""
+    names = set().union(*(field_names(cls) for cls in classes))
+    return {name: value for name, value in vars(args).items() if name in names}
+
+
+def _base_type(annotation: Any) -> type:
+    """int for ``int | None``, etc."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0]
+    return annotation

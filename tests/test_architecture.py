@@ -1,0 +1,112 @@
+"""Every module's imports obey the layer table of ARCHITECTURE.md.
+
+The table says which packages a package may import; the few exceptions are
+listed with their reason. A new import that crosses a layer fails here, so
+the rooms stay what ARCHITECTURE.md says they are. Imports inside functions
+count too: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cadence
+
+PACKAGE_ROOT = Path(cadence.__file__).parent
+# Leaf modules everyone may use: configuration, sampling parameters, the CPU probe.
+BASE = {"_lazy", "config", "config_cli", "sampling_params", "cpu_features"}
+ALLOWED = {
+    "core": BASE | {"core"},
+    "kernels": BASE | {"kernels"},
+    "models": BASE | {"models", "kernels"},
+    "runner": BASE | {"runner", "core", "models", "kernels"},
+    "engine": BASE | {"engine", "core", "models", "runner"},
+    "sim": BASE | {"sim", "core", "engine"},
+    "server": BASE | {"server", "core", "engine", "models"},
+}
+# Base modules import only base modules.
+ALLOWED.update({name: BASE for name in BASE})
+EXCEPTIONS = {
+    # (importing module, imported module): why it is allowed
+    ("cadence.sim.cost_model", "cadence.models.config"):
+        "model shapes for the cost model: ModelConfig is pure Python (no torch)",
+    ("cadence.server.__main__", "cadence.cli"):
+        "`python -m cadence.server` is an entry point that runs the command line",
+}
+TOP = {"cli", "__init__", "__main__"}  # the command line and the package's lazy names: anything
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cadence_imports(path: Path) -> set[str]:
+    """The cadence modules ``path`` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            # "from cadence import cpu_features" imports the module cadence.cpu_features.
+            found.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if (PACKAGE_ROOT.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists()
+                         or (PACKAGE_ROOT.parent / node.module.replace(".", "/") / alias.name).is_dir())
+    return {name for name in found if name == "cadence" or name.startswith("cadence.")}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        module = module_name(path)
+        layer = layer_of(module)
+        if layer in TOP:
+            continue
+        for imported in sorted(cadence_imports(path)):
+            if imported == "cadence":
+                continue  # the package itself; its submodules are checked by name
+            target = layer_of(imported)
+            if target in ALLOWED[layer] or (module, imported) in EXCEPTIONS:
+                continue
+            found.append(f"{module} imports {imported} ({layer} may import {sorted(ALLOWED[layer])})")
+    return found
+
+
+def test_every_import_follows_the_layer_table():
+    assert violations() == []
+
+
+def test_every_package_has_a_row():
+    packages = {p.name for p in PACKAGE_ROOT.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in PACKAGE_ROOT.glob("*.py")}
+    assert packages <= set(ALLOWED), packages - set(ALLOWED)
+    assert modules <= set(ALLOWED) | TOP, modules - set(ALLOWED) - TOP
+
+
+def test_the_check_sees_a_violation(tmp_path, monkeypatch):
+    # A runner module importing the engine is caught.
+    fake_root = tmp_path / "cadence"
+    (fake_root / "runner").mkdir(parents=True)
+    (fake_root / "__init__.py").write_text("")
+    (fake_root / "runner" / "__init__.py").write_text("")
+    (fake_root / "runner" / "bad.py").write_text("def f():\n    from cadence.engine.llm import LLM\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE_ROOT", fake_root)
+    assert violations() == [
+        "cadence.runner.bad imports cadence.engine.llm (runner may import "
+        f"{sorted(ALLOWED['runner'])})"]
+
+
+def test_exceptions_are_still_needed():
+    """An exception that no longer matches any import is stale: remove it."""
+    used = set()
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        module = module_name(path)
+        used.update((module, imported) for imported in cadence_imports(path))
+    assert set(EXCEPTIONS) <= used, set(EXCEPTIONS) - used
