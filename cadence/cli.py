@@ -10,9 +10,7 @@ so each option's default and help text live in ``cadence.config`` only.
 from __future__ import annotations
 
 import argparse
-import runpy
 import sys
-from pathlib import Path
 
 from cadence.config_cli import add_config_options, options_of
 from cadence.server.cli import add_bench_serve_parser, add_serve_parser
@@ -39,9 +37,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    bench = Path(__file__).resolve().parent.parent / "bench" / "sched_overhead.py"
-    sys.argv = [str(bench), "--quick"]
-    runpy.run_path(str(bench), run_name="__main__")
+    """The real scheduler on a small random workload, its runner faked (costs nothing):
+    what one step costs the scheduler. ``bench/sched_overhead.py`` is the full benchmark."""
+    import random
+    import time
+
+    from cadence.core.testing import FakeRunner, fixed_token, new_request, new_scheduler
+
+    rng = random.Random(0)
+    scheduler = new_scheduler(max_num_seqs=args.num_requests, max_num_batched_tokens=8192,
+                              max_model_len=4096, block_size=16, num_gpu_blocks=args.num_requests * 80)
+    for i in range(args.num_requests):
+        prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(256, 1024))]
+        scheduler.add_request(new_request(f"r{i}", prompt, max_tokens=args.max_tokens, ignore_eos=True))
+    runner, num_steps, num_tokens, seconds = FakeRunner(fixed_token(7)), 0, 0, 0.0
+    while scheduler.has_requests():
+        start = time.perf_counter()
+        step = scheduler.schedule()
+        seconds += time.perf_counter() - start
+        output = runner.execute_model(step)  # not timed: the runner is fake
+        start = time.perf_counter()
+        scheduler.update_from_output(step, output)
+        seconds += time.perf_counter() - start
+        num_steps += 1
+        num_tokens += sum(len(t) for t in output.sampled_token_ids)
+    print(f"{args.num_requests} requests, {num_steps} steps, {num_tokens} tokens: scheduler "
+          f"{seconds / num_steps * 1e6:.0f} us/step, {seconds / num_tokens * 1e6:.1f} us/token")
     return 0
 
 
@@ -57,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send prompts as raw text, no chat template")
     add_config_options(gen)
     gen.set_defaults(func=cmd_generate)
-    demo = sub.add_parser("demo", help="run the scheduler benchmark on a small workload")
+    demo = sub.add_parser("demo", help="time the real scheduler on a small workload (fake runner)")
+    demo.add_argument("--num-requests", type=int, default=64)
+    demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
     add_serve_parser(sub)
     add_simulate_parser(sub)

@@ -131,10 +131,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
-    @property
-    def all_stop_token_ids(self) -> frozenset[int]:
-        return frozenset(self.stop_token_ids)
-
     def replace(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -273,10 +273,6 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._dead is None and self.info is not None
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._queues)
-
     def frontend_state(self) -> FrontendState:
         """The front end's per-request state, for /metrics and the tests' invariant check."""
         num_states, num_routes = (self._processor.num_entries() if self._processor is not None
