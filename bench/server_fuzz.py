@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.server.serverlib
 
 import httpx  # noqa: E402
 
-from serverlib import fuzz, start_server, stop_server, wait_until  # noqa: E402
+from tests.server.serverlib import fuzz, start_server, stop_server, wait_until  # noqa: E402
 from cadence.models.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_MODEL = DEFAULT_MODEL_NAME

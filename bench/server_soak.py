@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.server.serverlib
 
 import httpx  # noqa: E402
 
-from serverlib import BASE_ARGS, Server, free_port, wait_until  # noqa: E402
+from tests.server.serverlib import BASE_ARGS, Server, free_port, wait_until  # noqa: E402
 from cadence.models.default_model import DEFAULT_MODEL_NAME
 
 MODEL = DEFAULT_MODEL_NAME

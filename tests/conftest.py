@@ -1,8 +1,7 @@
-"""Test-wide set-up: offline, and shared helper modules importable by name."""
+"""Test-wide set-up: offline. ``tests`` is a package: helpers are imported as
+``tests.core.fakes``, ``tests.server.serverlib``, ``tests.hf_reference``, ..."""
 
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(__file__))

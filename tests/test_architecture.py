@@ -9,6 +9,7 @@ count too: a lazy import is still a dependency.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import cadence
@@ -97,7 +98,7 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     (fake_root / "__init__.py").write_text("")
     (fake_root / "runner" / "__init__.py").write_text("")
     (fake_root / "runner" / "bad.py").write_text("def f():\n    from cadence.engine.llm import LLM\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE_ROOT", fake_root)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_ROOT", fake_root)
     assert violations() == [
         "cadence.runner.bad imports cadence.engine.llm (runner may import "
         f"{sorted(ALLOWED['runner'])})"]

@@ -1,7 +1,2 @@
-"""tests/core: pure-Python scheduler tests; helpers live in scheduler_sim.py and fakes.py."""
-
-import os
-import sys
-
-# The helper modules beside this file are imported by name.
-sys.path.insert(0, os.path.dirname(__file__))
+"""tests/core: pure-Python scheduler tests; helpers live in tests/core/fakes.py and
+tests/core/scheduler_sim.py (both on cadence.core.testing)."""

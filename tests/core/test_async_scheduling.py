@@ -2,7 +2,7 @@
 sampled positions in flight are counted as output placeholders."""
 
 import pytest
-from fakes import (
+from tests.core.fakes import (
     FakeRunner,
     all_blocks_free,
     flatten,

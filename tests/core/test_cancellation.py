@@ -4,7 +4,7 @@ any thread; the cancellation is applied at the start of the next step."""
 import random
 import threading
 
-from fakes import FakeRunner, all_blocks_free, flatten, new_request, new_scheduler, step
+from tests.core.fakes import FakeRunner, all_blocks_free, flatten, new_request, new_scheduler, step
 
 from cadence.core.request import RequestStatus
 

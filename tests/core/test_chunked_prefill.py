@@ -1,6 +1,6 @@
 """Chunked prefill, long_prefill_token_threshold, and whole-prompt admission."""
 
-from scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, run_to_completion, step
+from tests.core.scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, run_to_completion, step
 
 
 def test_long_prompt_is_split_across_steps_under_the_budget():

@@ -3,7 +3,7 @@ when the token range first overlaps an item, and an encoder cache shared by
 content hash and freed once consumed."""
 
 import pytest
-from fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
+from tests.core.fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
 
 from cadence.core.request import RequestStatus
 

@@ -7,7 +7,7 @@ of many blocks are computed in one pass. None of it may change a result.
 """
 
 import msgspec
-from scheduler_sim import ModelRunnerSim, make_request, make_scheduler, model_token
+from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, model_token
 from cadence.core.kv_cache import KVCacheManager
 from cadence.core.kv_cache.block_pool import FreeBlockQueue, KVCacheBlock
 from cadence.core.kv_cache.hashing import (

@@ -9,7 +9,7 @@ chunking, prefix caching, preemption or speculative acceptance.
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, model_token, step
+from tests.core.scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, model_token, step
 from cadence.config import SpeculativeConfig
 from cadence.core.request import RequestStatus
 

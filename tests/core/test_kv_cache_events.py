@@ -2,7 +2,7 @@
 parents), BlockRemoved on eviction, AllBlocksCleared on a prefix-cache reset."""
 
 import pytest
-from fakes import FakeRunner, new_request, new_scheduler, prompt_of, run_until_done, step
+from tests.core.fakes import FakeRunner, new_request, new_scheduler, prompt_of, run_until_done, step
 
 from cadence.core.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
 from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, ROOT_HASH

@@ -1,7 +1,7 @@
 """KV connector hooks: external prefix hits, async loads in
 WAITING_FOR_REMOTE_KVS, delayed frees while sending, per-step metadata."""
 
-from fakes import (
+from tests.core.fakes import (
     FakeRunner,
     InMemoryConnector,
     all_blocks_free,

@@ -2,7 +2,7 @@
 attention reads in one step (each request's context after the step, capped
 by the sliding window) stay under ``max_num_kv_read_tokens``."""
 
-from fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
+from tests.core.fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
 
 
 def reads(s, so, window=None):

@@ -1,6 +1,6 @@
 """LoRA in the scheduler: at most ``max_loras`` distinct adapters per batch."""
 
-from fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, prompt_of, run_until_done, step
+from tests.core.fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, prompt_of, run_until_done, step
 
 from cadence.core.request import RequestStatus
 

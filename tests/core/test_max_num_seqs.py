@@ -1,6 +1,6 @@
 """max_num_seqs bounds the running set; waiting requests start as others finish."""
 
-from scheduler_sim import ModelRunnerSim, make_request, make_scheduler, run_to_completion, step
+from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, run_to_completion, step
 
 
 def test_no_more_than_max_num_seqs_run():

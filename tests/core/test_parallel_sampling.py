@@ -5,7 +5,7 @@ and each compute the short tail themselves."""
 import zlib
 
 import pytest
-from fakes import (
+from tests.core.fakes import (
     FakeRunner,
     all_blocks_free,
     greedy_token,

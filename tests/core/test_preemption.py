@@ -1,6 +1,6 @@
 """Preemption by recompute when blocks run out."""
 
-from scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, run_to_completion, step
+from tests.core.scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, run_to_completion, step
 from cadence.core.request import RequestStatus
 
 

@@ -2,7 +2,7 @@
 requests that are still prefilling are served before decoding ones."""
 
 import pytest
-from fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
+from tests.core.fakes import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
 
 
 def workload(s):

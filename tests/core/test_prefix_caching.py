@@ -1,6 +1,6 @@
 """Prefix caching: chained block hashes, full blocks only, LRU eviction, reset."""
 
-from scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, run_to_completion, step
+from tests.core.scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, run_to_completion, step
 from cadence.core.kv_cache import KVCacheManager
 from cadence.core.request import Request
 from cadence.sampling_params import SamplingParams

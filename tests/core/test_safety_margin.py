@@ -2,7 +2,7 @@
 admitted while fewer than a fraction of the KV blocks are free; running
 requests keep decoding."""
 
-from fakes import (
+from tests.core.fakes import (
     FakeRunner,
     InMemoryConnector,
     all_blocks_free,

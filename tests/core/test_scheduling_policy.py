@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
+from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
 from cadence.core.sched.policy import make_policy, register_policy
 
 

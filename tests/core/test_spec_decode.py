@@ -1,6 +1,6 @@
 """Speculative tokens: scheduled in the budget, rejections rolled back, stats, lookahead."""
 
-from scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, model_token, run_to_completion, step
+from tests.core.scheduler_sim import ModelRunnerSim, expected_stream, make_request, make_scheduler, model_token, run_to_completion, step
 from cadence.config import SpeculativeConfig
 
 

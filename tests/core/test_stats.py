@@ -1,6 +1,6 @@
 """SchedulerStats and request events."""
 
-from scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
+from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
 from cadence.core.request import RequestEventType
 
 

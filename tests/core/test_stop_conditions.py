@@ -1,6 +1,6 @@
 """eos, stop_token_ids, max_tokens, min_tokens, ignore_eos."""
 
-from scheduler_sim import ModelRunnerSim, make_request, make_scheduler, run_to_completion
+from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, run_to_completion
 from cadence.core.request import FinishReason, RequestStatus
 
 
@@ -23,7 +23,7 @@ def run_with_outputs(req, tokens):
     runner = ModelRunnerSim(4, token_fn=scripted(tokens))
     final = {}
     streams = {}
-    from scheduler_sim import step
+    from tests.core.scheduler_sim import step
     while s.has_requests():
         _, outputs = step(s, runner)
         for out in outputs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fakes import FakeRunner, all_blocks_free, greedy_token, new_request, new_scheduler, step, wait_until
+from tests.core.fakes import FakeRunner, all_blocks_free, greedy_token, new_request, new_scheduler, step, wait_until
 
 from cadence.core.request import FinishReason, RequestStatus
 from cadence.core.sched.structured_output import StructuredOutputManager

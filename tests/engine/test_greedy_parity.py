@@ -15,8 +15,8 @@ from cadence import LLM, SamplingParams
 from cadence.models import Tokenizer
 from cadence.models.gguf_loader import read_gguf
 from cadence.models.loader import default_model_path
-from cpu_paths_helpers import CPU_PATHS, hide_cpu_features
-from hf_reference import transformers_reference
+from tests.cpu_paths_helpers import CPU_PATHS, hide_cpu_features
+from tests.hf_reference import transformers_reference
 
 NUM_NEW_TOKENS = 48
 SYSTEM = (

@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants
 
-import ggml_blocks
+from tests.models import ggml_blocks
 from cadence.models.dequant import SUPPORTED_TYPES, to_torch
 
 BLOCK_KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import GGUFWriter, quants
 
-import ggml_blocks
+from tests.models import ggml_blocks
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.gguf_loader import hf_tensor_name, load_gguf_model, read_gguf, unpermute_rope_rows
 from cadence.models.llama import LlamaForCausalLM

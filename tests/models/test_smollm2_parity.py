@@ -13,7 +13,7 @@ import transformers
 
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.loader import default_model_path, load_model
-from hf_reference import transformers_reference
+from tests.hf_reference import transformers_reference
 
 STRINGS = [
     "Hello, world!",

@@ -15,8 +15,8 @@ from cadence.cpu_features import from_cpuinfo, with_hidden
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths, emulation_note, resolve_dtype
 from cadence.runner.model_runner import ModelRunner
 from cadence.models.testing import random_model, tiny_config
-from cpu_paths_helpers import CPU_PATHS, hide_cpu_features
-from test_model_runner import BLOCK_SIZE, NUM_BLOCKS, HandScheduler, dense_greedy, prompt_of
+from tests.cpu_paths_helpers import CPU_PATHS, hide_cpu_features
+from tests.runner.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, HandScheduler, dense_greedy, prompt_of
 
 X86_BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt cx16 movbe"
 EPYC_AVX2 = f"model name\t: AMD EPYC 7B12\nflags\t\t: {X86_BASE} avx avx2 fma f16c bmi1 bmi2 abm\n"

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from serverlib import Server, start_server, stop_server
+from tests.server.serverlib import Server, start_server, stop_server
 
 REST_TIMEOUT_S = 10.0
 # Every gauge that counts what requests hold; each is 0 when none is in flight.

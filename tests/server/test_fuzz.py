@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serverlib import fuzz, wait_until
+from tests.server.serverlib import fuzz, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_EXAMPLES = 20  # per route and mode: 164 requests, ~8 s here

@@ -11,7 +11,7 @@ import threading
 import openai
 import pytest
 
-from serverlib import wait_until
+from tests.server.serverlib import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG = dict(model=MODEL, prompt="Tell me a story.", max_tokens=1500, temperature=0,

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from serverlib import wait_until
+from tests.server.serverlib import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The sky is"

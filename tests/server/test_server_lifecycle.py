@@ -17,7 +17,7 @@ import httpx
 
 from cadence.core.outputs import SchedulerStats
 from cadence.engine.async_llm import AsyncLLM
-from serverlib import Server, wait_until
+from tests.server.serverlib import Server, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 SHUTDOWN_TIMEOUT_S = 5

@@ -1,7 +1,7 @@
 """The virtual-clock loop: lengths, clock, arrivals, stalls, preemption."""
 
 import pytest
-from sim_helpers import LinearCost, configs, specs_at
+from tests.sim.sim_helpers import LinearCost, configs, specs_at
 
 from cadence.sim.simulator import Simulator, SimulationStalled
 from cadence.sim.workload import RequestSpec, SyntheticWorkload

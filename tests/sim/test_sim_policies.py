@@ -1,6 +1,6 @@
 """Policy comparison and prefix caching through the simulator."""
 
-from sim_helpers import LinearCost, configs
+from tests.sim.sim_helpers import LinearCost, configs
 
 from cadence.sim.simulator import Simulator, compare_policies
 from cadence.sim.workload import PromptMaker, SyntheticWorkload

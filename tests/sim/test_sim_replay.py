@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from sim_helpers import LinearCost, configs, specs_at
+from tests.sim.sim_helpers import LinearCost, configs, specs_at
 
 from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore

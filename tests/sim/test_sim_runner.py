@@ -1,6 +1,6 @@
 """SimRunner: the runner interface on the real scheduler."""
 
-from sim_helpers import LinearCost, configs
+from tests.sim.sim_helpers import LinearCost, configs
 
 from cadence.core.request import Request
 from cadence.core.sched.scheduler import Scheduler
