@@ -63,14 +63,16 @@ class RawStream:
 
 def test_sigterm_drains_then_ends_what_is_left_with_errors(make_server):
     server = make_server("drain", ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
-    short = RawStream(server, {**LONG, "max_tokens": 8})
     long = RawStream(server, LONG)
     plain: dict[str, httpx.Response] = {}
     blocking = threading.Thread(target=lambda: plain.setdefault("answer", httpx.post(
         f"{server.base_url}/v1/completions", json=LONG, timeout=120)))
     blocking.start()
+    assert wait_until(lambda: server.metrics()["cadence:num_requests_running"] == 2, 60)
+    # The short one starts last, so it is still in flight at the signal (24
+    # tokens: a second or two of work) and must finish inside the drain.
+    short = RawStream(server, {**LONG, "max_tokens": 24})
     assert wait_until(lambda: short.started() and long.started(), 60)
-    assert wait_until(lambda: server.metrics()["cadence:num_requests_running"] == 3, 60)
 
     server.process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
