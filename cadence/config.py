@@ -145,6 +145,10 @@ class CacheConfig:
     kv_cache_memory: str | None = option(
         None, "KV-cache memory budget: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.3)."
     )
+    gpu_memory_utilization: float | None = option(
+        None, "Fraction of the GPU's memory the engine may use for weights, activations and "
+              "KV cache (default 0.9); the cache gets what a profile run leaves. CUDA only."
+    )
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", "must be >= 1")
@@ -160,6 +164,9 @@ class CacheConfig:
             _require("://" in self.kv_events_replay_endpoint, "kv_events_replay_endpoint",
                      "must be a ZMQ address")
         _require(self.kv_events_buffer_steps >= 1, "kv_events_buffer_steps", "must be >= 1")
+        if self.gpu_memory_utilization is not None:
+            _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                     "must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -216,6 +223,9 @@ class EngineConfig:
     )
     device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice).")
+    enforce_eager: bool = option(
+        False, "Never capture CUDA graphs: every GPU step runs eagerly (the CPU always does)."
+    )
     seed: int = option(0, "Seed of the sampler's default generator.")
 
     def __post_init__(self) -> None:

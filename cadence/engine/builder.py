@@ -19,10 +19,13 @@ from cadence.engine.core import EngineCore
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
 from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype
+from cadence.runner.cuda_graphs import default_capture_sizes
+from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
 from cadence.runner.model_runner import ModelRunner
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, or a quarter of free memory if less
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
@@ -30,7 +33,7 @@ class Engine:
     """What a front end needs: the engine core, the tokenizer, the model's facts."""
 
     core: EngineCore
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     model_config: ModelConfig
     options: EngineOptions
     max_model_len: int
@@ -45,11 +48,39 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
     dtype = _resolve_dtype(engine_config, device)
     model, tokenizer, model_config = load_model(engine_config.model, dtype)
     model.to(device)
+    return assemble_engine(options, model, model_config, tokenizer, log=log)
+
+
+def assemble_engine(
+    options: EngineOptions,
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer | None,
+    *,
+    log=sys.stderr,
+) -> Engine:
+    """An engine around a model already loaded on its device (in its dtype).
+
+    ``build_engine`` loads and calls this; benchmarks that make a model
+    themselves (random weights of a large shape, straight on the GPU) call it
+    directly. With no tokenizer the engine takes token-id prompts only.
+    """
+    engine_config = options.engine
+    device = next(model.parameters()).device
+    dtype = model.dtype
     max_model_len = min(options.scheduler.max_model_len, model_config.max_position_embeddings)
     scheduler_config = dataclasses.replace(options.scheduler, max_model_len=max_model_len)
     if model_config.sliding_window and scheduler_config.sliding_window is None:
         scheduler_config = dataclasses.replace(scheduler_config, sliding_window=model_config.sliding_window)
-    num_blocks = _num_kv_blocks(options, model_config, dtype)
+    if device.type == "cuda":
+        runner, num_blocks = _gpu_runner(options, model, model_config, dtype, device,
+                                         scheduler_config, log)
+    else:
+        if options.cache.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization: applies on a CUDA device; "
+                             "on the CPU, size the cache with kv_cache_memory")
+        num_blocks = _num_kv_blocks(options, model_config, dtype)
+        runner = None
     cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks)
     cache_capacity = num_blocks * cache_config.block_size
     if cache_capacity < max_model_len:
@@ -68,12 +99,13 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
     scheduler = Scheduler(
         scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True
     )
-    runner = ModelRunner(
-        model, model_config, block_size=cache_config.block_size, num_blocks=num_blocks,
-        dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
-        device=device, speculative_config=options.speculative,
-        sliding_window=scheduler_config.sliding_window,
-    )
+    if runner is None:
+        runner = ModelRunner(
+            model, model_config, block_size=cache_config.block_size, num_blocks=num_blocks,
+            dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
+            device=device, speculative_config=options.speculative,
+            sliding_window=scheduler_config.sliding_window,
+        )
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
@@ -83,6 +115,48 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
     # Last: the publisher binds its socket (None when KV cache events are off).
     core = EngineCore(scheduler, runner, event_publisher=publisher_for(cache_config))
     return Engine(core, tokenizer, model_config, options, max_model_len)
+
+
+def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, log):
+    """The runner on a CUDA device, its KV cache sized, its decode graphs captured.
+
+    The cache is sized, in order of precedence, by ``num_gpu_blocks``,
+    ``kv_cache_memory`` (bytes, or a fraction of the GPU's free memory) or
+    ``gpu_memory_utilization`` (default 0.9, measured by a profile run).
+    """
+    cache = options.cache
+    if cache.kv_cache_memory is not None and cache.gpu_memory_utilization is not None:
+        raise ValueError("gpu_memory_utilization: set it or kv_cache_memory, not both")
+    runner = ModelRunner(
+        model, model_config, block_size=cache.block_size, num_blocks=1, dtype=dtype,
+        max_num_seqs=scheduler_config.max_num_seqs, max_model_len=scheduler_config.max_model_len,
+        device=device, speculative_config=options.speculative,
+        sliding_window=scheduler_config.sliding_window,
+    )
+    if cache.num_gpu_blocks is not None:
+        num_blocks = cache.num_gpu_blocks
+    elif cache.kv_cache_memory is not None:
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = parse_memory(cache.kv_cache_memory, free)
+        num_blocks = num_blocks_for_budget(budget, model_config, cache.block_size, dtype)
+    else:
+        utilization = cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        num_blocks, figures = gpu_kv_blocks(
+            runner, utilization, max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs)
+        print(f"cadence: GPU memory {figures['total'] / 2**30:.1f} GiB x {utilization}: "
+              f"profile peak {figures['peak_torch'] / 2**30:.2f} GiB, outside PyTorch "
+              f"{figures['outside_torch'] / 2**30:.2f} GiB, the rest is KV cache", file=log)
+    if num_blocks < 1:
+        raise ValueError("gpu_memory_utilization: no room left for one KV block after the "
+                         "weights and activations; raise it or shorten max_num_batched_tokens")
+    runner.allocate_kv_cache(num_blocks)
+    if not options.engine.enforce_eager:
+        sizes = default_capture_sizes(scheduler_config.max_num_seqs)
+        runner.capture_cuda_graphs(sizes)
+        print(f"cadence: CUDA graphs captured for decode batches of {sizes[0]}..{sizes[-1]} "
+              f"({len(sizes)} sizes)", file=log)
+    return runner, num_blocks
 
 
 def _resolve_dtype(engine_config, device: torch.device) -> torch.dtype:

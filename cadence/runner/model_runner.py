@@ -28,6 +28,7 @@ import torch
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
+from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
@@ -58,27 +59,40 @@ class ModelRunner:
         speculative_config: "SpeculativeConfig | None" = None,
         cpu_paths: CpuPaths | None = None,
         sliding_window: int | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
         can do, ``CpuPaths.plain()`` for plain PyTorch. ``sliding_window``: the
-        attention window (default: the model's own)."""
+        attention window (default: the model's own). ``attention_backend``:
+        ``triton`` (the default on a GPU; on the CPU only under
+        ``TRITON_INTERPRET=1``, for tests) or ``cpu`` (the default on the CPU)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = torch.device(device)
+        self.dtype = dtype
         self.sliding_window = sliding_window or model_config.sliding_window
-        self.kv_cache = PagedKVCache.for_model(
-            model_config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
-        )
+        self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "cpu")
+        if self.attention_backend not in ("triton", "cpu"):
+            raise ValueError(f"attention_backend: must be triton or cpu, got {attention_backend!r}")
+        if self.attention_backend == "cpu" and self.device.type != "cpu":
+            raise ValueError("attention_backend: the cpu backend runs on the CPU only")
         num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.max_blocks_per_req = -(-(max_model_len + num_spec) // block_size)
         self.input_batch = InputBatch(
             max_num_reqs=max_num_seqs,
             max_model_len=max_model_len,
-            max_blocks_per_req=-(-(max_model_len + num_spec) // block_size),
+            max_blocks_per_req=self.max_blocks_per_req,
             block_size=block_size,
         )
+        self.group = model_config.num_attention_heads // model_config.num_key_value_heads
+        self.stager = None
+        self.decode_graphs = None  # see capture_cuda_graphs
+        if self.attention_backend == "triton":
+            self.stager = StepStager(self.device, self.group, self.sliding_window)
+        self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
         self.drafter = _make_drafter(speculative_config)
@@ -88,6 +102,71 @@ class ModelRunner:
             keep_freed_memory()
             self.cpu_paths = choose_cpu_paths(dtype) if cpu_paths is None else cpu_paths
             self._use_cpu_paths(self.cpu_paths, dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the paged cache for ``num_blocks`` scheduler blocks.
+
+        The Triton backend gets one block more, the *scratch block*
+        (``self.scratch_block``): padded rows of CUDA graphs and profiling runs
+        write there, never into a block the scheduler hands out.
+        """
+        if self.decode_graphs is not None:
+            raise RuntimeError("allocate_kv_cache: the CUDA graphs hold the old cache")
+        self.kv_cache = None  # free the old one first
+        extra = 1 if self.attention_backend == "triton" else 0
+        self.scratch_block = num_blocks if extra else None
+        self.kv_cache = PagedKVCache.for_model(
+            self.model_config, num_blocks=num_blocks + extra, block_size=self.block_size,
+            dtype=self.dtype, device=self.device,
+        )
+
+    def capture_cuda_graphs(self, capture_sizes: list[int]) -> None:
+        """Capture the decode forward for each batch size (CUDA, Triton backend only)."""
+        from cadence.runner.cuda_graphs import DecodeGraphs
+
+        if self.device.type != "cuda":
+            raise ValueError("capture_cuda_graphs: CUDA graphs need a CUDA device")
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, capture_sizes=capture_sizes,
+            max_blocks_per_req=self.max_blocks_per_req, group=self.group,
+            sliding_window=self.sliding_window, scratch_block=self.scratch_block,
+        )
+        with torch.inference_mode():
+            graphs.capture()
+        self.decode_graphs = graphs
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """The largest step the scheduler may send, on dummy inputs (Triton backend).
+
+        One sequence of ``num_tokens`` tokens through every layer, every key
+        and value written to the scratch block, then logits and log-softmax
+        for ``num_seqs`` rows: what a memory profile needs to see at its peak.
+        Touches no block the scheduler owns and no request state.
+        """
+        if self.stager is None:
+            raise ValueError("profile_run: needs the Triton attention backend")
+        from cadence.kernels.triton_attention import TileShape, tiles_of
+        from cadence.runner.gpu_attention import GpuAttentionMetadata
+
+        device, bs = self.device, self.block_size
+        num_tokens = max(1, num_tokens)
+        positions = torch.arange(num_tokens, device=device) % self.max_model_len
+        slots = self.scratch_block * bs + torch.arange(num_tokens, device=device) % bs
+        shape = TileShape.choose(self.group, num_tokens)
+        tile_seq, tile_q_start = tiles_of([num_tokens], shape.block_q)
+        metadata = GpuAttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.tensor([0, num_tokens], device=device),
+            seq_lens=torch.tensor([num_tokens], device=device),
+            block_table=torch.full((1, -(-num_tokens // bs)), self.scratch_block, device=device),
+            tile_seq=tile_seq.to(device), tile_q_start=tile_q_start.to(device),
+            shape=shape, sliding_window=self.sliding_window,
+        )
+        with torch.inference_mode():
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+            hidden = self.model(input_ids, positions, TritonPagedAttention(self.kv_cache, metadata))
+            rows = hidden[: min(num_seqs, num_tokens)]
+            self.model.compute_logits(rows).log_softmax(dim=-1).argmax(dim=-1)
 
     def _use_cpu_paths(self, paths: CpuPaths, dtype: torch.dtype) -> None:
         if paths.pack_weights:
@@ -107,8 +186,8 @@ class ModelRunner:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         with torch.inference_mode():
-            hidden = self._forward(step)  # [T, hidden]
-            sampled, logprobs = self._sample(step, hidden, spec_tokens)
+            hidden, logits_indices = self._forward(step)  # [T, hidden], [N]
+            sampled, logprobs = self._sample(step, hidden, logits_indices, spec_tokens)
             prompt_logprobs = self._prompt_logprobs(step, hidden)
         for row, token_ids in zip(step.rows, sampled):
             if token_ids:
@@ -122,7 +201,10 @@ class ModelRunner:
             prompt_logprobs_dict=prompt_logprobs,
         )
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step's tokens, and the rows to sample from (on the device)."""
+        if self.stager is not None:
+            return self._forward_triton(step)
         metadata = AttentionMetadata.build(
             step.query_start_loc.tolist(),
             step.seq_lens.tolist(),
@@ -134,7 +216,17 @@ class ModelRunner:
         ).to(self.device)
         attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel)
         device = self.device
-        return self.model(step.input_ids.to(device), step.positions.to(device), attention)
+        hidden = self.model(step.input_ids.to(device), step.positions.to(device), attention)
+        return hidden, step.logits_indices.to(device)
+
+    def _forward_triton(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        staged = self.stager.stage(step)  # one host-to-device copy
+        graphs = self.decode_graphs
+        num_drafts = int(step.num_drafts.sum())
+        if graphs is not None and not num_drafts and graphs.can_run(len(step.req_ids), int(step.num_scheduled.max())):
+            return graphs.run(staged), staged.logits_indices
+        attention = TritonPagedAttention(self.kv_cache, staged.attention)
+        return self.model(staged.input_ids, staged.positions, attention), staged.logits_indices
 
     # ------------------------------------------------------------ batch updates
 
@@ -221,7 +313,8 @@ class ModelRunner:
     # ------------------------------------------------------------ sampling
 
     def _sample(
-        self, step: StepInputs, hidden: torch.Tensor, spec_tokens: dict[str, list[int]]
+        self, step: StepInputs, hidden: torch.Tensor, logits_indices: torch.Tensor,
+        spec_tokens: dict[str, list[int]],
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Tokens per scheduled request ([] for a mid-prompt chunk), and their logprobs.
 
@@ -232,7 +325,6 @@ class ModelRunner:
         seqs = np.flatnonzero(step.does_sample).tolist()
         if not seqs:
             return sampled, None
-        logits_indices = step.logits_indices.to(hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [N, V]
         drafts = [spec_tokens.get(step.req_ids[s], []) for s in seqs]
         states = [self.input_batch.states[step.rows[s]] for s in seqs]
