@@ -93,14 +93,19 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def prepare_interpreter() -> None:
+    """Under ``TRITON_INTERPRET=1``, mend what the interpreter needs; else nothing."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _patch_interpreter_index()
+
+
 @functools.cache
 def _kernel():
     """The kernel, built once Triton is imported."""
     import triton
     import triton.language as tl
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_index()
+    prepare_interpreter()
 
     @triton.jit
     def paged_attention_kernel(

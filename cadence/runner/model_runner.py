@@ -28,6 +28,7 @@ import torch
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
+from cadence.kernels.triton_fused_ops import TritonFusedOps
 from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
@@ -102,6 +103,9 @@ class ModelRunner:
             keep_freed_memory()
             self.cpu_paths = choose_cpu_paths(dtype) if cpu_paths is None else cpu_paths
             self._use_cpu_paths(self.cpu_paths, dtype)
+        if self.attention_backend == "triton":
+            # Norms, rotary and SiLU-mul as one Triton kernel each (C ones on the CPU path).
+            self.model.use_fused_ops(TritonFusedOps())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the paged cache for ``num_blocks`` scheduler blocks.
