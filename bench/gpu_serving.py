@@ -77,7 +77,10 @@ def gpu_scenarios(quick: bool) -> list[Scenario]:
     scenarios = [Scenario(chunk, max(1, chunk // 2048), 2040, 2) for chunk in chunks]
     scenarios += [Scenario(8192, b, ctx, 6, num_unique_tokens=16, min_prompt_len=ctx - 64)
                   for b in batches for ctx in (320, 960)]
-    scenarios += [Scenario(2048, 64, 768, 48, min_prompt_len=256, arrivals_per_step=4),
+    # Serving mixes: one or a few prefills joining a running decode batch each step.
+    scenarios += [Scenario(1024, 16, 768, 48, min_prompt_len=256, arrivals_per_step=1),
+                  Scenario(1024, 32, 640, 64, min_prompt_len=384, arrivals_per_step=1),
+                  Scenario(2048, 64, 768, 48, min_prompt_len=256, arrivals_per_step=4),
                   Scenario(8192, 128, 768, 64, min_prompt_len=256, arrivals_per_step=16)]
     return scenarios
 

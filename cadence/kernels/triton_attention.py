@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_SPLITS = 16
+
+
 @functools.cache
 def triton_available() -> bool:
     try:
@@ -49,13 +52,26 @@ class TileShape:
     block_q: int
     block_m: int
     block_n: int
+    num_splits: int = 1  # >1: each tile's keys split over programs, then combined
 
     @classmethod
-    def choose(cls, group: int, max_query_len: int, block_n: int = 64) -> "TileShape":
-        """Small tiles for decode-only steps, large ones where queries are long."""
+    def choose(cls, group: int, max_query_len: int, block_n: int = 64, *,
+               num_tiles: int = 0, num_kv_heads: int = 1, num_sms: int = 0) -> "TileShape":
+        """Small tiles for decode-only steps, large ones where queries are long.
+
+        A decode step whose tiles x KV heads would leave most of the ``num_sms``
+        multiprocessors idle (a few long sequences) splits each tile's keys
+        over up to 16 programs (flash-decoding), then combines them.
+        """
         rows = 16 if max_query_len <= 1 else 64
         block_m = max(rows, _next_pow2(group))
-        return cls(block_q=max(1, block_m // group), block_m=block_m, block_n=block_n)
+        num_splits = 1
+        if max_query_len <= 1 and num_tiles and num_sms:
+            programs = num_tiles * num_kv_heads
+            num_splits = min(MAX_SPLITS, _next_pow2(max(1, -(-2 * num_sms // programs))))
+            num_splits = num_splits if num_splits >= 2 else 1
+        return cls(block_q=max(1, block_m // group), block_m=block_m, block_n=block_n,
+                   num_splits=num_splits)
 
 
 def _next_pow2(n: int) -> int:
@@ -111,6 +127,7 @@ def _kernel():
     def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_seq_ptr, tile_q_start_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr, num_tokens,
         scale, sliding_window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -118,10 +135,11 @@ def _kernel():
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr,
+        UPCAST: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         seq = tl.load(tile_seq_ptr + tile)
         q_first = tl.load(tile_q_start_ptr + tile)
         query_start = tl.load(query_start_loc_ptr + seq)
@@ -151,6 +169,11 @@ def _kernel():
         if USE_WINDOW:
             kv_begin = tl.maximum(num_cached + q_first - sliding_window + 1, 0)
             kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+        if NUM_SPLITS > 1:
+            # This program's share of the keys: whole BLOCK_N chunks, maybe none.
+            chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_begin = kv_begin + split * chunk
+            kv_end = tl.minimum(kv_begin + chunk, kv_end)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -193,11 +216,42 @@ def _kernel():
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        if NUM_SPLITS == 1:
+            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            # Partials [split, token, head]: the unnormalised sum, its max and its mass.
+            cell = (split * num_tokens + q_rows) * (GROUP * tl.num_programs(1)) + head
+            tl.store(part_acc_ptr + cell[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=row_ok[:, None] & dim_ok[None, :])
+            tl.store(part_m_ptr + cell, m_i, mask=row_ok)
+            tl.store(part_l_ptr + cell, l_i, mask=row_ok)
 
-    return paged_attention_kernel
+    @triton.jit
+    def combine_splits_kernel(
+        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_tokens, num_heads, stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        splits = tl.arange(0, NUM_SPLITS)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        cells = (splits * num_tokens + token) * num_heads + head  # [S]
+        m = tl.load(part_m_ptr + cells)
+        l = tl.load(part_l_ptr + cells)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        weight = tl.exp(m - m_max)  # 0 for a split that saw no key
+        acc = tl.load(part_acc_ptr + cells[:, None] * HEAD_DIM + dims[None, :],
+                      mask=dim_ok[None, :], other=0.0)
+        total = tl.sum(weight * l, 0)
+        out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+                 out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+    return paged_attention_kernel, combine_splits_kernel
 
 
 def paged_attention(
@@ -225,12 +279,22 @@ def paged_attention(
     if q.stride(2) != 1 or key_blocks.stride(3) != 1 or value_blocks.stride(3) != 1:
         raise ValueError("paged_attention: the head dimension must be contiguous")
     group = num_heads // num_kv_heads
-    grid = (tile_seq.shape[0], num_kv_heads)
+    splits = shape.num_splits
+    grid = (tile_seq.shape[0], num_kv_heads, splits)
     if grid[0] == 0:
         return out
-    _kernel()[grid](
+    attention_kernel, combine_kernel = _kernel()
+    num_tokens = q.shape[0]
+    parts = (out, out, out)  # unused unless split
+    if splits > 1:
+        cells = (splits, num_tokens, num_heads)
+        parts = (torch.empty(*cells, head_dim, dtype=torch.float32, device=q.device),
+                 torch.empty(cells, dtype=torch.float32, device=q.device),
+                 torch.empty(cells, dtype=torch.float32, device=q.device))
+    attention_kernel[grid](
         q, key_blocks, value_blocks, out,
         query_start_loc, seq_lens, block_table, tile_seq, tile_q_start,
+        *parts, num_tokens,
         scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
@@ -242,5 +306,11 @@ def paged_attention(
         IEEE=q.dtype == torch.float32,
         # Triton's CPU interpreter multiplies bfloat16 wrongly: it gets float32.
         UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        NUM_SPLITS=splits,
     )
+    if splits > 1:
+        combine_kernel[(num_tokens, num_heads)](
+            *parts, out, num_tokens, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), NUM_SPLITS=splits,
+        )
     return out

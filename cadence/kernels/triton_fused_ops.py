@@ -122,7 +122,14 @@ class TritonFusedOps:
             return
         rotary_kernel = _kernels()[1]
         half = head_dim // 2
-        for x in (q, k):
+        item = q.element_size()
+        if k.data_ptr() == q.data_ptr() + q.shape[1] * head_dim * item and k.stride(0) == q.stride(0):
+            # k's heads follow q's in each row (one fused qkv projection): one launch for both.
+            q = q.as_strided((num_tokens, q.shape[1] + k.shape[1], head_dim), q.stride())
+            pairs = (q,)
+        else:
+            pairs = (q, k)
+        for x in pairs:
             rotary_kernel[(num_tokens,)](
                 x, x.stride(0), x.shape[1], cos, sin, HALF=half,
                 BLOCK_H=_next_pow2(x.shape[1]), BLOCK_HALF=_next_pow2(half),

@@ -43,6 +43,8 @@ class DecodeGraphs:
         capture_sizes: list[int],
         max_blocks_per_req: int,
         group: int,
+        num_kv_heads: int,
+        num_sms: int,
         sliding_window: int | None,
         scratch_block: int,
     ) -> None:
@@ -62,7 +64,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=device)
         self.tile_seq = torch.arange(n, dtype=torch.int64, device=device)
         self.tile_q_start = torch.zeros(n, dtype=torch.int64, device=device)
-        self.shape = TileShape.choose(group, 1)
+        # Per size: small batches split their keys to fill the GPU (as StepStager does).
+        self.shapes = {size: TileShape.choose(group, 1, num_tiles=size, num_kv_heads=num_kv_heads,
+                                              num_sms=num_sms) for size in self.capture_sizes}
         self.sliding_window = sliding_window
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -115,7 +119,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], block_table=self.block_table[:size],
             tile_seq=self.tile_seq[:size], tile_q_start=self.tile_q_start[:size],
-            shape=self.shape, sliding_window=self.sliding_window,
+            shape=self.shapes[size], sliding_window=self.sliding_window,
         )
         attention = TritonPagedAttention(self.kv_cache, metadata)
         ids, positions = self.input_ids[:size], self.positions[:size]

@@ -51,15 +51,24 @@ class DeviceStep:
 class StepStager:
     """Packs a step's index arrays into one pinned buffer and copies it to ``device`` once."""
 
-    def __init__(self, device: torch.device, group: int, sliding_window: int | None) -> None:
+    def __init__(self, device: torch.device, group: int, num_kv_heads: int,
+                 sliding_window: int | None, num_sms: int | None = None) -> None:
+        """``num_sms``: multiprocessors to fill (decode steps with few sequences
+        split their keys); default the GPU's count, 0 (no splits) on the CPU."""
         self.device = device
         self.group = group  # query heads per KV head
+        self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.num_sms = num_sms_of(device) if num_sms is None else num_sms
         self._pinned = torch.empty(0, dtype=torch.int64)
 
     def stage(self, step: StepInputs) -> DeviceStep:
         query_lens = np.diff(step.query_start_loc)
-        shape = TileShape.choose(self.group, int(query_lens.max()))
+        max_query_len = int(query_lens.max())
+        shape = TileShape.choose(self.group, max_query_len)
+        if max_query_len == 1:  # one tile per sequence
+            shape = TileShape.choose(self.group, 1, num_tiles=len(query_lens),
+                                     num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
         tile_seq, tile_q_start = tiles_of(torch.from_numpy(query_lens), shape.block_q)
         parts = [
             step.input_ids, step.positions, step.logits_indices, step.slot_mapping,
@@ -90,6 +99,13 @@ class StepStager:
         return host.to(self.device, non_blocking=True)
 
 
+def num_sms_of(device: torch.device) -> int:
+    """The GPU's multiprocessor count (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class TritonPagedAttention:
     """The model's attention callable for one step on the GPU: ``(layer, q, k, v) -> out``."""
 
@@ -105,7 +121,7 @@ class TritonPagedAttention:
         out = torch.empty_like(q)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         return paged_attention(
-            q.contiguous(), self.kv_cache.keys(layer_idx), self.kv_cache.values(layer_idx), out,
+            q, self.kv_cache.keys(layer_idx), self.kv_cache.values(layer_idx), out,
             meta.query_start_loc, meta.seq_lens, meta.block_table, meta.tile_seq,
             meta.tile_q_start, meta.shape, scale=scale, sliding_window=meta.sliding_window,
         )

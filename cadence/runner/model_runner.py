@@ -92,7 +92,8 @@ class ModelRunner:
         self.stager = None
         self.decode_graphs = None  # see capture_cuda_graphs
         if self.attention_backend == "triton":
-            self.stager = StepStager(self.device, self.group, self.sliding_window)
+            self.stager = StepStager(self.device, self.group, model_config.num_key_value_heads,
+                                     self.sliding_window)
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
@@ -133,6 +134,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             self.model, self.kv_cache, capture_sizes=capture_sizes,
             max_blocks_per_req=self.max_blocks_per_req, group=self.group,
+            num_kv_heads=self.model_config.num_key_value_heads, num_sms=self.stager.num_sms,
             sliding_window=self.sliding_window, scratch_block=self.scratch_block,
         )
         with torch.inference_mode():

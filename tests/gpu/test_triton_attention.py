@@ -112,3 +112,48 @@ def test_tile_shape_folds_the_group_into_rows():
     assert (wide.block_q, wide.block_m) == (1, 32)
     odd = TileShape.choose(group=7, max_query_len=50)
     assert odd.block_q * 7 <= odd.block_m
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_split_keys_decode_matches_dense_reference(num_splits, sliding_window, device):
+    """Flash-decoding: each sequence's keys over several programs, then combined.
+
+    Contexts from 1 key (most splits see nothing) to a few hundred.
+    """
+    rng = random.Random(num_splits)
+    torch.manual_seed(num_splits)
+    dtype = torch.float32
+    num_kv_heads, group, head_dim, block_size = 2, 4, 64, 16
+    key_cache = torch.randn(64, block_size, num_kv_heads, head_dim).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    contexts = [1, 3, 70, rng.randint(100, 300)]
+    free = list(range(64))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in contexts]
+    block_table = torch.zeros(len(contexts), 20, dtype=torch.int64)
+    for i, blocks in enumerate(tables):
+        block_table[i, : len(blocks)] = torch.tensor(blocks)
+    q = torch.randn(len(contexts), num_kv_heads * group, head_dim).to(dtype)
+    shape = TileShape(block_q=4, block_m=16, block_n=16, num_splits=num_splits)
+    tile_seq, tile_q_start = tiles_of([1] * len(contexts), shape.block_q)
+    to = lambda t: t.to(device)  # noqa: E731
+    out = torch.full_like(to(q), float("nan"))
+    paged_attention(to(q), to(key_cache), to(value_cache), out,
+                    to(torch.arange(len(contexts) + 1)), to(torch.tensor(contexts)), to(block_table),
+                    to(tile_seq), to(tile_q_start), shape, scale=head_dim ** -0.5,
+                    sliding_window=sliding_window)
+    out = out.cpu()
+    for i, (n, blocks) in enumerate(zip(contexts, tables)):
+        keys = torch.stack([key_cache[blocks[p // block_size], p % block_size] for p in range(n)])
+        values = torch.stack([value_cache[blocks[p // block_size], p % block_size] for p in range(n)])
+        expected = dense_attention(q[i : i + 1], keys, values, n - 1, sliding_window)
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_small_decode_batches_split_their_keys():
+    few = TileShape.choose(4, 1, num_tiles=1, num_kv_heads=8, num_sms=132)
+    assert few.num_splits == 16
+    many = TileShape.choose(4, 1, num_tiles=256, num_kv_heads=8, num_sms=132)
+    assert many.num_splits == 1
+    assert TileShape.choose(4, 64, num_tiles=1, num_kv_heads=8, num_sms=132).num_splits == 1

@@ -58,3 +58,16 @@ def test_silu_mul_matches_pytorch(dtype, device):
     got = TritonFusedOps().silu_mul(gate_up)
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
     assert GatedMLP  # the module whose forward this replaces
+
+
+def test_rotary_of_separate_q_and_k(device):
+    """q and k not adjacent in one qkv row: two launches, same result."""
+    torch.manual_seed(3)
+    q = torch.randn(3, 4, 8, device=device)
+    k = torch.randn(3, 2, 8, device=device)
+    angles = torch.randn(3, 4, device=device)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    expected_q, expected_k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
+    TritonFusedOps().rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
