@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -184,12 +185,14 @@ def decode_step_times(engine, batch_sizes: list[int], context: int, num_steps: i
         while core.scheduler.get_request_counts()[1] or _prefilling(core):
             core.step()
         core.step()  # first all-decode step
-        times = []
+        times, cpu_times = [], []
         for _ in range(num_steps):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             core.step()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         results[batch] = {"median_s": statistics.median(times), "min_s": min(times),
+                          "host_cpu_s": statistics.median(cpu_times),
                           "forward_s": _graph_forward_seconds(runner, batch)}
         while core.has_work():
             core.step()
@@ -215,6 +218,14 @@ def _graph_forward_seconds(runner, batch: int) -> float | None:
     return start.elapsed_time(end) / 20 / 1000
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def _prefilling(core) -> bool:
     return any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running)
 
@@ -223,6 +234,8 @@ def run_cadence(args, log) -> dict:
     engine, model = build(args, log)
     weights = weight_bytes(model)
     result: dict = {"weights_bytes": weights, "kv_blocks": engine.options.cache.num_gpu_blocks,
+                    "host": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+                            f"{_cpu_model()}",
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     # Warm-up: a few requests through every path (prefill shapes, graphs).
     real_run(engine, offline_specs(8))
@@ -241,6 +254,8 @@ def run_cadence(args, log) -> dict:
                         for b, t in steps.items()}
     log(f"  {result['decode']}")
 
+    if args.skip_sim:
+        return result
     trace = trace_specs(args.trace_requests, args.trace_rate)
     log(f"trace: {len(trace)} requests at {args.trace_rate}/s ...")
     real = headline(real_run(engine, trace))
@@ -297,6 +312,7 @@ def main() -> int:
     parser.add_argument("--trace-requests", type=int, default=400)
     parser.add_argument("--trace-rate", type=float, default=8.0)
     parser.add_argument("--quick", action="store_true", help="smaller calibration grid and step samples")
+    parser.add_argument("--skip-sim", action="store_true", help="cadence part without the simulator section")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU with a tiny model")
     parser.add_argument("--out", help="folder for results.json and the calibrated cost model")
     args = parser.parse_args()
