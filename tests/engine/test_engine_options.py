@@ -151,3 +151,34 @@ def test_every_cli_flag_is_delivered_or_refused():
         assert flag in help_text
         after = help_text.rsplit(flag, 1)[1][:400]  # the option listing, past the usage line
         assert "engines refuse it" in after, name
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.5])
+def test_gpu_memory_utilization_out_of_range_is_named(value):
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: must be in \(0, 1\]"):
+        EngineOptions.from_kwargs(gpu_memory_utilization=value)
+
+
+def test_gpu_options_reach_their_classes_and_flags():
+    import argparse
+
+    from cadence.config_cli import add_config_options, options_of
+
+    options = EngineOptions.from_kwargs(gpu_memory_utilization=0.5, enforce_eager=True)
+    assert options.cache.gpu_memory_utilization == 0.5 and options.engine.enforce_eager
+    parser = argparse.ArgumentParser()
+    add_config_options(parser)
+    args = parser.parse_args(["--gpu-memory-utilization", "0.7", "--enforce-eager"])
+    parsed = options_of(args)
+    assert parsed["gpu_memory_utilization"] == 0.7 and parsed["enforce_eager"] is True
+
+
+def test_gpu_memory_utilization_is_refused_on_the_cpu():
+    """It sizes a GPU's cache; on the CPU it would do nothing, so it is an error."""
+    from cadence.engine.builder import assemble_engine
+    from cadence.models.testing import random_model, tiny_config
+
+    config = tiny_config()
+    options = EngineOptions.from_kwargs(device="cpu", dtype="float32", gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: applies on a CUDA device"):
+        assemble_engine(options, random_model(config), config, None)
