@@ -44,7 +44,20 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = option(
         0, "Cap on the tokens one request may take in a step (0: no cap)."
     )
-    policy: str = option("fcfs", "Queue order: fcfs, or priority (lower value first).")
+    max_num_partial_prefills: int | None = option(
+        None, "Most requests that prefill (get prompt tokens) in one step (None: no cap)."
+    )
+    max_long_partial_prefills: int | None = option(
+        None, "Most of those whose prompt is longer than long_prefill_token_threshold; set below "
+              "max_num_partial_prefills, short prompts pass long ones (None: no cap)."
+    )
+    max_blocked_bypass_steps: int = option(
+        0, "Without chunked prefill, let later requests pass a waiting prompt that does not fit "
+           "the step's budget for at most this many steps, then wait for it (0: never pass)."
+    )
+    policy: str = option("fcfs", "Queue order: fcfs, or priority (lower value first; a better "
+                                 "priority also displaces the worst running request when "
+                                 "max_num_seqs is full).")
     async_scheduling: bool = option(
         False, "Schedule the next step while the current one runs (output placeholders). "
                "Scheduler only: engines refuse it until they overlap steps."
@@ -84,6 +97,16 @@ class SchedulerConfig:
         _require(
             self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"
         )
+        if self.max_num_partial_prefills is not None:
+            _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills", "must be >= 1")
+        if self.max_long_partial_prefills is not None:
+            _require(self.max_long_partial_prefills >= 1, "max_long_partial_prefills", "must be >= 1")
+            _require(self.max_num_partial_prefills is None
+                     or self.max_long_partial_prefills <= self.max_num_partial_prefills,
+                     "max_long_partial_prefills", "must be <= max_num_partial_prefills")
+            _require(self.long_prefill_token_threshold > 0, "max_long_partial_prefills",
+                     "needs long_prefill_token_threshold > 0 (what makes a prompt long)")
+        _require(self.max_blocked_bypass_steps >= 0, "max_blocked_bypass_steps", "must be >= 0")
         _require(
             self.policy in SCHEDULING_POLICIES,
             "policy",

@@ -6,6 +6,11 @@ on the policy's name. Add one with ``@register_policy("name")``.
 - ``fcfs``:     arrival order; the victim is the request admitted last.
 - ``priority``: lower ``priority`` value first, ties by arrival; the victim
                 is the running request with the worst (priority, arrival).
+                When ``max_num_seqs`` is full, a waiting request of a
+                strictly better priority displaces that victim (vLLM only
+                preempts when blocks run out, #40004). Equal priorities never
+                displace each other, so two requests cannot take turns
+                preempting one another.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ class SchedulingPolicy(Protocol):
 
     def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when blocks run out."""
+        ...
+
+    def displace(self, waiting: Request, running: list[Request]) -> Request | None:
+        """With every running slot taken: the running request ``waiting`` should
+        preempt, or None to let it wait."""
         ...
 
 
@@ -133,6 +143,9 @@ class FCFSPolicy:
     def pick_victim(self, running: list[Request]) -> Request:
         return running[-1]
 
+    def displace(self, waiting: Request, running: list[Request]) -> Request | None:
+        return None
+
 
 class PriorityPolicy:
     reads_priority = True
@@ -142,6 +155,12 @@ class PriorityPolicy:
 
     def pick_victim(self, running: list[Request]) -> Request:
         return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+    def displace(self, waiting: Request, running: list[Request]) -> Request | None:
+        if not running:
+            return None
+        victim = self.pick_victim(running)
+        return victim if waiting.priority < victim.priority else None
 
 
 _POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {}

@@ -141,6 +141,8 @@ class Scheduler(SchedulerInterface):
         )
         self.kv_events: list[KVCacheEvent] = []
         self.step_counter = 0
+        # Waiting request id -> the step it was first blocked (max_blocked_bypass_steps).
+        self._blocked_since: dict[str, int] = {}
         self.num_preemptions_total = 0
         self._num_step_preemptions = 0
 
@@ -171,12 +173,15 @@ class Scheduler(SchedulerInterface):
         unsent = self.lifecycle.unsent_running
         schedule_running = plan.schedule_running
         order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
+        caps = plan.prefill_caps
         for request in order:
             budget = plan.token_budget
             if budget <= 0:
                 break
             if request.status != _RUNNING:
                 continue  # preempted earlier in this loop
+            if caps is not None and not caps.admits(request):
+                continue  # its prompt waits for a prefill slot
             # Catch up with the known tokens (+ drafts, + async placeholders).
             num_computed = request.num_computed_tokens
             num_new = (
@@ -213,6 +218,8 @@ class Scheduler(SchedulerInterface):
                 plan.schedule_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
             else:
                 schedule_running(request, num_new, new_block_ids)
+            if caps is not None:
+                caps.count(request)
 
     def _limit_special(self, request: Request, num_new: int) -> int:
         """Limits of a parent waiting to fork (n > 1) and of async placeholders."""
@@ -270,10 +277,11 @@ class Scheduler(SchedulerInterface):
         """Admit waiting requests while budget, blocks and max_num_seqs allow."""
         skipped: list[Request] = []
         waiting = self.waiting
+        caps = plan.prefill_caps
         while waiting and plan.token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs:
-                break
             request = waiting.peek_request()
+            if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
+                break
             if self._grammar_failed(request):
                 waiting.pop_request()
                 self.lifecycle.abort_unservable(request, "grammar compilation failed")
@@ -289,14 +297,48 @@ class Scheduler(SchedulerInterface):
                 # A request that already holds its KV (async load done) must not be
                 # locked out by its own blocks; with nothing running, anyone may start.
                 break
+            if caps is not None and not caps.admits(request):
+                if caps.full:
+                    break
+                skipped.append(waiting.pop_request())  # a long prompt: short ones may pass
+                continue
             outcome = self._try_admit(request, plan)
             if outcome is Admission.STOP:
                 break
             waiting.pop_request()
             if outcome is Admission.SKIPPED:
                 skipped.append(request)  # not runnable this step (e.g. async KV load)
+            elif caps is not None:
+                caps.count(request)
         if skipped:
             waiting.prepend_requests(skipped)
+
+    def _displace_for(self, request: Request, plan: StepPlan) -> bool:
+        """With every running slot taken: preempt the running request the policy
+        says ``request`` outranks; False when it must wait."""
+        if request.status not in (_WAITING, RequestStatus.PREEMPTED):
+            return False  # not ready to run (grammar, remote KV): no reason to displace
+        victim = self.policy.displace(request, self.running)
+        if victim is None:
+            return False
+        self._preempt(victim, plan)
+        return True
+
+    def _blocked(self, request: Request) -> Admission:
+        """A prompt that does not fit this step's budget whole (chunked prefill off).
+
+        The queue stops behind it, as vLLM's does, unless
+        ``max_blocked_bypass_steps`` lets later requests pass it for that many steps.
+        """
+        bypass = self.config.max_blocked_bypass_steps
+        if bypass:
+            blocked = self._blocked_since
+            if len(blocked) > 2 * len(self.requests):  # drop requests that left
+                self._blocked_since = blocked = {r: s for r, s in blocked.items() if r in self.requests}
+            first = blocked.setdefault(request.request_id, self.step_counter)
+            if self.step_counter - first < bypass:
+                return Admission.SKIPPED
+        return Admission.STOP
 
     def _try_admit(self, request: Request, plan: StepPlan) -> Admission:
         """Schedule one waiting request, or say why not (see ``Admission``)."""
@@ -313,7 +355,10 @@ class Scheduler(SchedulerInterface):
             if request.fork_point is not None:
                 num_new = min(num_new, request.fork_point - num_computed)
             if not self.config.enable_chunked_prefill and num_new > plan.token_budget:
-                return Admission.SKIPPED
+                # A request back from preemption whose prompt and outputs outgrew the
+                # whole budget could never run again: it alone is chunked.
+                if num_new <= self.max_num_scheduled_tokens:
+                    return self._blocked(request)
             num_new = min(num_new, plan.token_budget)
             if num_new <= 0 or not plan.can_read_kv(request, num_new, num_computed):
                 return Admission.STOP
@@ -356,6 +401,8 @@ class Scheduler(SchedulerInterface):
         return hits, num_local, num_external or 0, bool(load_async)
 
     def _start_running(self, request: Request, num_computed: int, num_new: int, plan: StepPlan) -> None:
+        if self._blocked_since:
+            self._blocked_since.pop(request.request_id, None)
         self.running.append(request)
         if request.status == RequestStatus.PREEMPTED:
             plan.resumed.append(request)
@@ -488,6 +535,12 @@ class Scheduler(SchedulerInterface):
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ``ValueError`` if it can never run here (see ``lifecycle``)."""
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_scheduled_tokens:
+            # It would wait forever, and (the queue stops behind it) so would everyone after it.
+            raise ValueError(
+                f"prompt: {request.num_prompt_tokens} tokens exceed max_num_batched_tokens="
+                f"{self.max_num_scheduled_tokens}, and without chunked prefill a prompt is "
+                "prefilled in one step")
         self.lifecycle.add(request)
 
     def finish_requests(

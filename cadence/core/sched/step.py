@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from cadence.core.sched import spec_decode
 from cadence.core.sched.admission import kv_read_tokens
 from cadence.core.sched.encoder import EncoderCacheManager, schedule_encoder_inputs
+from cadence.core.sched.prefill_caps import PrefillCaps
 
 if TYPE_CHECKING:
     from cadence.config import SchedulerConfig
@@ -26,6 +27,7 @@ class StepPlan:
         "token_budget", "num_scheduled_tokens", "new_block_ids", "running", "new", "resumed",
         "preempted", "spec_tokens", "encoder_inputs", "encoder_budget", "kv_read_budget",
         "sliding_window", "_loras", "_tracks_extras", "_structured", "_disable_chunked_mm_input",
+        "prefill_caps",
     )
 
     def __init__(self, token_budget: int, config: "SchedulerConfig") -> None:
@@ -46,6 +48,7 @@ class StepPlan:
         self._tracks_extras = self.kv_read_budget is not None
         self._structured: list[str] = []
         self._disable_chunked_mm_input = config.disable_chunked_mm_input
+        self.prefill_caps = PrefillCaps.from_config(config)  # None: no caps configured
 
     @property
     def loras(self) -> "LoRABatchLimit | None":
@@ -95,6 +98,8 @@ class StepPlan:
         if num_new is None:
             return
         self.token_budget += num_new
+        if self.prefill_caps is not None:
+            self.prefill_caps.uncount(request)
         if self.kv_read_budget is not None:
             self.kv_read_budget += kv_read_tokens(request, num_new, self.sliding_window)
         self.new_block_ids.pop(req_id, None)
