@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 # Drafting methods that need KV slots beyond the verified tokens for the
 # drafter's own forward passes (the draft model writes its KV there).
@@ -55,9 +55,13 @@ class SchedulerConfig:
         0, "Without chunked prefill, let later requests pass a waiting prompt that does not fit "
            "the step's budget for at most this many steps, then wait for it (0: never pass)."
     )
-    policy: str = option("fcfs", "Queue order: fcfs, or priority (lower value first; a better "
+    policy: str = option("fcfs", "Queue order: fcfs; priority (lower value first; a better "
                                  "priority also displaces the worst running request when "
-                                 "max_num_seqs is full).")
+                                 "max_num_seqs is full); fair (fair shares across clients, "
+                                 "named by the request's user).")
+    fair_client_weights: str | None = option(
+        None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1)."
+    )
     async_scheduling: bool = option(
         False, "Schedule the next step while the current one runs (output placeholders). "
                "Scheduler only: engines refuse it until they overlap steps."
@@ -107,6 +111,9 @@ class SchedulerConfig:
             _require(self.long_prefill_token_threshold > 0, "max_long_partial_prefills",
                      "needs long_prefill_token_threshold > 0 (what makes a prompt long)")
         _require(self.max_blocked_bypass_steps >= 0, "max_blocked_bypass_steps", "must be >= 0")
+        if self.fair_client_weights is not None:
+            _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
+            parse_client_weights(self.fair_client_weights)
         _require(
             self.policy in SCHEDULING_POLICIES,
             "policy",
@@ -347,3 +354,20 @@ def parse_memory(value: str | int | float, available_bytes: int) -> int:
     if scale == 1 and number < 1:
         return int(number * available_bytes)  # a fraction of what is free
     return int(number * scale)
+
+
+def parse_client_weights(text: str | None) -> dict[str | None, float]:
+    """``"alice=2,bob=0.5"`` -> {"alice": 2.0, "bob": 0.5}; ValueError naming the option."""
+    weights: dict[str | None, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not name.strip() or not weight > 0 or weight == float("inf"):
+            raise ValueError(f"fair_client_weights: expected name=weight (weight > 0) pairs, got {item!r}")
+        weights[name.strip()] = weight
+    return weights

@@ -293,7 +293,7 @@ class AsyncLLM:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-        prompt: str | None = None, priority: int = 0,
+        prompt: str | None = None, priority: int = 0, user: str | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
 
@@ -308,7 +308,7 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         check_priority(priority)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
-                               self.info.max_model_len, priority=priority)
+                               self.info.max_model_len, priority=priority, user=user)
         self.check_can_ever_admit(params.n)
         self._check_queue(params.n)
         message = encode(ADD, EngineCoreRequest.from_request(request))

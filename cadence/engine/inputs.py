@@ -26,6 +26,9 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | No
     raise ValueError("prompt: expected a string or a dict with 'prompt_token_ids' or 'prompt'")
 
 
+MAX_USER_LEN = 256
+
+
 def make_request(
     request_id: str,
     token_ids: list[int],
@@ -36,8 +39,14 @@ def make_request(
     priority: int = 0,
     client_index: int = 0,
     arrival_time: float | None = None,
+    user: str | None = None,
 ) -> Request:
-    """A validated core request (prompt length checked against the context)."""
+    """A validated core request (prompt length checked against the context).
+
+    ``user`` names the client for the ``fair`` policy (OpenAI's ``user`` field).
+    """
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_LEN):
+        raise ValueError(f"user: must be a string of at most {MAX_USER_LEN} characters")
     if not token_ids:
         raise ValueError("prompt: must not be empty")
     if len(token_ids) >= max_model_len:
@@ -54,5 +63,5 @@ def make_request(
     return Request(
         request_id, token_ids, params, eos_token_id=eos, priority=priority,
         client_index=client_index, arrival_time=time.time() if arrival_time is None else arrival_time,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len, tenant=user,
     )

@@ -42,14 +42,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        user: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One final output per prompt, in order. Prompts are strings or
         ``{"prompt_token_ids": [...]}``; invalid input raises ValueError before
-        anything runs."""
+        anything runs. ``user``: the client of every prompt, or one per prompt
+        (what the ``fair`` policy shares the engine between)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), sampling_params)
-        requests = self._make_requests(prompts, params_list)
+        users = [user] * len(prompts) if user is None or isinstance(user, str) else list(user)
+        if len(users) != len(prompts):
+            raise ValueError("user: need one per prompt, or a single one for all")
+        requests = self._make_requests(prompts, params_list, users)
         for request, text in requests:
             self._processor.add_request(request.request_id, text, request.prompt_token_ids, request.sampling_params)
             self.engine.core.add_request(request)
@@ -62,6 +67,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        user: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Like ``generate`` for conversations, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -69,7 +75,7 @@ class LLM:
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, user=user)
 
     def _params_for(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
@@ -80,12 +86,13 @@ class LLM:
             raise ValueError("sampling_params: need one per prompt, or a single one for all")
         return list(sampling_params)
 
-    def _make_requests(self, prompts, params_list):
+    def _make_requests(self, prompts, params_list, users):
         requests = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, user in zip(prompts, params_list, users):
             text, token_ids = prompt_token_ids(prompt, self.tokenizer)
             request = make_request(
-                str(next(self._ids)), token_ids, params, self.tokenizer, self.engine.max_model_len
+                str(next(self._ids)), token_ids, params, self.tokenizer, self.engine.max_model_len,
+                user=user,
             )
             requests.append((request, text))
         return requests

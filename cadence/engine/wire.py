@@ -36,16 +36,17 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    tenant: str | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
-                   request.eos_token_id, request.arrival_time, request.priority)
+                   request.eos_token_id, request.arrival_time, request.priority, request.tenant)
 
     def to_request(self, max_model_len: int) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
-                       priority=self.priority, max_model_len=max_model_len)
+                       priority=self.priority, max_model_len=max_model_len, tenant=self.tenant)
 
 
 class EngineReady(msgspec.Struct, gc=False):

@@ -184,6 +184,7 @@ def _per_group(keys: list[int], ttft, tpot, e2e, num_output, good, makespan) -> 
             "output_tokens_per_s": tokens / makespan if makespan else 0.0,
             "token_share": tokens / total,
             "ttft_p50_s": _nanpercentile(ttft[mask], 50),
+            "ttft_p90_s": _nanpercentile(ttft[mask], 90),
             "ttft_p99_s": _nanpercentile(ttft[mask], 99),
             "tpot_p50_s": _nanpercentile(tpot[mask], 50),
             "e2e_p50_s": _nanpercentile(e2e[mask], 50),

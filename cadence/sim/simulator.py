@@ -61,6 +61,7 @@ class RequestFactory:
             str(index), self.prompt_maker.make(index, spec), params,
             eos_token_id=self.eos_token_id, arrival_time=spec.arrival_time,
             priority=spec.priority, client_index=spec.client, max_model_len=self.max_model_len,
+            tenant=f"client{spec.client}",
         )
 
 

@@ -68,6 +68,8 @@ class SyntheticWorkload:
     prefix_tokens: int = option(256, "Shared prefix length of a group (cut to the prompt).")
     priorities: str = option("0", "Priority values, drawn uniformly, comma separated.")
     num_clients: int = option(1, "Client ids 0..N-1, drawn uniformly.")
+    client_shares: str | None = option(
+        None, "Relative request shares of clients 0, 1, ... (e.g. 10,1); overrides num_clients.")
     seed: int = option(0, "Random seed.")
 
     def __post_init__(self) -> None:
@@ -83,6 +85,13 @@ class SyntheticWorkload:
             raise ValueError("prefix_fraction: must be in [0, 1]")
         parse_length_dist(self.prompt_len)
         parse_length_dist(self.output_len)
+        if self.client_shares is not None:
+            try:
+                shares = [float(x) for x in self.client_shares.split(",")]
+            except ValueError:
+                shares = []
+            if not shares or any(not s > 0 or s == float("inf") for s in shares):
+                raise ValueError(f"client_shares: expected positive numbers, e.g. 10,1; got {self.client_shares!r}")
 
     def generate(self) -> list[RequestSpec]:
         import numpy as np
@@ -96,7 +105,11 @@ class SyntheticWorkload:
         groups = rng.integers(0, max(self.prefix_groups, 1), n)
         priority_values = [int(p) for p in self.priorities.split(",")]
         priorities = rng.choice(priority_values, n)
-        clients = rng.integers(0, self.num_clients, n)
+        if self.client_shares:
+            shares = np.array([float(x) for x in self.client_shares.split(",")])
+            clients = rng.choice(len(shares), n, p=shares / shares.sum())
+        else:
+            clients = rng.integers(0, self.num_clients, n)
         specs = []
         for i in range(n):
             prompt = int(prompts[i])

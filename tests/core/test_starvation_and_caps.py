@@ -138,9 +138,9 @@ def test_partial_prefill_options_are_checked():
 # ---------------------------------------------------------------- every request finishes
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "fair"]),
     chunked=st.booleans(),
     caps=st.sampled_from([None, (1, 1), (2, 1), (3, 2)]),
     bypass=st.sampled_from([0, 3]),
@@ -165,6 +165,7 @@ def test_every_request_finishes_under_random_arrivals(policy, chunked, caps, byp
             i, (_, length, max_tokens, priority) = pending.pop(0)
             request = new_request(f"r{i}", length, max_tokens=max_tokens, priority=priority,
                                   arrival_time=float(step_index))
+            request.tenant = f"t{i % 3}"  # three clients, for the fair policy
             prompts[request.request_id] = (request.prompt_token_ids, max_tokens)
             s.add_request(request)
         if not pending and not s.has_requests():

@@ -344,3 +344,30 @@ def test_prompt_larger_than_the_kv_cache_is_refused(llm, monkeypatch):
         assert str(error).startswith("prompt")
         return
     assert out[0].finished
+
+
+# ------------------------------------------------------------ users (the fair policy)
+
+
+def test_fair_policy_serves_each_user_the_same_greedy_tokens(greedy_batch):
+    """user= reaches the scheduler's fair policy; greedy tokens do not depend on the order."""
+    fair_llm = LLM(dtype="float32", max_num_seqs=2, kv_cache_memory="64MiB",
+                   max_model_len=MAX_MODEL_LEN, policy="fair", fair_client_weights="alice=2")
+    users = ["alice", "bob", "bob", "bob", None, "alice"]
+    prompts = [*PROMPTS, COUNTING]
+    outs = fair_llm.generate(prompts, GREEDY, use_tqdm=False, user=users)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy_batch]
+    counters = fair_llm.scheduler.policy.counters.counters
+    assert set(counters) == {"alice", "bob", None}
+    with pytest.raises(ValueError, match=r"^user: need one per prompt"):
+        fair_llm.generate(prompts, GREEDY, use_tqdm=False, user=["alice"])
+    with pytest.raises(ValueError, match=r"^user: must be a string of at most 256"):
+        fair_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, user="x" * 300)
+
+
+def test_user_travels_to_the_engine_process():
+    from cadence.core.request import Request
+    from cadence.engine.wire import EngineCoreRequest
+
+    request = Request("r", [1, 2], GREEDY, tenant="alice")
+    assert EngineCoreRequest.from_request(request).to_request(64).tenant == "alice"

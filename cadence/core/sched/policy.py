@@ -4,6 +4,8 @@ A policy is a small object registered by name; the scheduler never branches
 on the policy's name. Add one with ``@register_policy("name")``.
 
 - ``fcfs``:     arrival order; the victim is the request admitted last.
+- ``fair``:     fair shares across clients (``Request.tenant``) by weighted
+                service counters, VTC; see ``cadence.core.sched.fair``.
 - ``priority``: lower ``priority`` value first, ties by arrival; the victim
                 is the running request with the worst (priority, arrival).
                 When ``max_num_seqs`` is full, a waiting request of a
@@ -181,5 +183,12 @@ def make_policy(name: str) -> SchedulingPolicy:
         raise ValueError(f"policy: unknown scheduling policy {name!r}; known: {sorted(_POLICIES)}")
 
 
+def _fair_policy() -> SchedulingPolicy:
+    from cadence.core.sched.fair import FairPolicy
+
+    return FairPolicy()
+
+
 register_policy("fcfs")(FCFSPolicy)
 register_policy("priority")(PriorityPolicy)
+register_policy("fair")(_fair_policy)

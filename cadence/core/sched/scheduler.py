@@ -102,6 +102,11 @@ class Scheduler(SchedulerInterface):
             log_stats=log_stats,
         )
         self.policy = make_policy(scheduler_config.policy)
+        if hasattr(self.policy, "configure"):
+            self.policy.configure(scheduler_config)
+        # Optional policy hooks (a registered policy may have neither).
+        self._displace = getattr(self.policy, "displace", None)
+        self._accounts_service = getattr(self.policy, "accounts_service", False)
         # Shared with the lifecycle and the absorber: changed in place, never rebound.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
@@ -318,7 +323,7 @@ class Scheduler(SchedulerInterface):
         says ``request`` outranks; False when it must wait."""
         if request.status not in (_WAITING, RequestStatus.PREEMPTED):
             return False  # not ready to run (grammar, remote KV): no reason to displace
-        victim = self.policy.displace(request, self.running)
+        victim = None if self._displace is None else self._displace(request, self.running)
         if victim is None:
             return False
         self._preempt(victim, plan)
@@ -475,6 +480,8 @@ class Scheduler(SchedulerInterface):
             )
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        if self._accounts_service:
+            self.policy.account(plan.num_scheduled_tokens, self.requests, self.running)
         self._advance_computed_tokens(plan)
         if self.kv_cache_manager.block_pool.enable_events:
             self.kv_events.extend(self.kv_cache_manager.take_events())

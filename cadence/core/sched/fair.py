@@ -1,0 +1,199 @@
+"""``fair``: fair shares across clients by virtual token counters (VTC, OSDI'24).
+
+Each request names its client (``Request.tenant``; None is one anonymous
+client). Every client has a counter of the service it got, weighted:
+
+    counter[c] += (input_weight * prompt tokens computed
+                   + output_weight * other tokens computed) / weight[c]
+
+counted every step from what the step schedules. Admission picks the
+waiting request of the client with the smallest counter (FCFS within a
+client), so a client that sends ten times more does not get ten times the
+service while another waits. Three rules keep that honest:
+
+- **no banked credit**: a client that becomes active again (nothing waiting
+  or running) has its counter lifted to the smallest counter of the active
+  clients, so idling earns no right to monopolise later;
+- **bounded state**: counters of clients gone idle are dropped once they
+  would be lifted anyway, and all counters shift down together when the
+  smallest active one grows large;
+- **preemption**: when blocks run out, the victim is the running request of
+  the client with the largest counter (its latest arrival).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Iterable, Iterator
+
+from cadence.config import parse_client_weights
+from cadence.core.request import Request
+
+# Shift all counters down once the smallest active one passes this.
+_RENORMALISE_AT = 1e12
+# Idle clients' counters kept at most (the lowest are dropped first).
+MAX_IDLE_COUNTERS = 10_000
+
+
+class ServiceCounters:
+    """Weighted service per client, with VTC's lift and bounded state."""
+
+    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0,
+                 client_weights: dict[str | None, float] | None = None) -> None:
+        self.input_weight = input_weight
+        self.output_weight = output_weight
+        self.client_weights = dict(client_weights or {})
+        self.counters: dict[str | None, float] = {}
+        self.active: set[str | None] = set()  # waiting or served in the last step
+
+    def get(self, client: str | None) -> float:
+        return self.counters.get(client, 0.0)
+
+    def activate(self, client: str | None) -> None:
+        """A client with nothing in flight sends again: lift it to the active minimum."""
+        if client in self.active:
+            return
+        floor = min((self.counters.get(c, 0.0) for c in self.active), default=None)
+        if floor is not None and self.get(client) < floor:
+            self.counters[client] = floor
+        self.active.add(client)
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        """``num_tokens`` computed for ``request`` this step (before they are counted)."""
+        prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
+        num_input = min(num_tokens, prompt_left)
+        cost = self.input_weight * num_input + self.output_weight * (num_tokens - num_input)
+        client = request.tenant
+        weight = self.client_weights.get(client, 1.0)
+        self.counters[client] = self.counters.get(client, 0.0) + cost / weight
+
+    def end_step(self, still_active: set[str | None]) -> None:
+        """The clients with requests waiting or running after this step."""
+        self.active = still_active
+        if not still_active:
+            return
+        floor = min(self.counters.get(c, 0.0) for c in still_active)
+        if floor > _RENORMALISE_AT:
+            self.counters = {c: v - floor for c, v in self.counters.items()}
+            floor = 0.0
+        idle = len(self.counters) - len(still_active)
+        if idle > MAX_IDLE_COUNTERS:
+            # An idle counter at or below the floor is lifted on return anyway;
+            # past the cap, the lowest idle ones go first.
+            idle_clients = sorted((v, c) for c, v in self.counters.items() if c not in still_active)
+            for value, client in idle_clients[: idle - MAX_IDLE_COUNTERS]:
+                del self.counters[client]
+
+
+class FairQueue:
+    """Waiting requests per client; the front is the least-served client's oldest."""
+
+    def __init__(self, counters: ServiceCounters) -> None:
+        self.counters = counters
+        self._by_client: OrderedDict[str | None, deque[Request]] = OrderedDict()
+        self._size = 0
+
+    def _front_client(self) -> str | None:
+        get = self.counters.get
+        return min(self._by_client, key=get)  # ties: the client that queued first
+
+    def add_request(self, request: Request) -> None:
+        client = request.tenant
+        queue = self._by_client.get(client)
+        if queue is None:
+            self.counters.activate(client)
+            queue = self._by_client[client] = deque()
+        queue.append(request)
+        self._size += 1
+
+    def pop_request(self) -> Request:
+        client = self._front_client()
+        queue = self._by_client[client]
+        request = queue.popleft()
+        if not queue:
+            del self._by_client[client]
+        self._size -= 1
+        return request
+
+    def peek_request(self) -> Request:
+        return self._by_client[self._front_client()][0]
+
+    def prepend_request(self, request: Request) -> None:
+        client = request.tenant
+        queue = self._by_client.get(client)
+        if queue is None:
+            queue = self._by_client[client] = deque()
+        queue.appendleft(request)
+        self._size += 1
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in reversed(list(requests)):
+            self.prepend_request(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        doomed = set(requests)
+        for client in list(self._by_client):
+            kept = deque(r for r in self._by_client[client] if r not in doomed)
+            self._size -= len(self._by_client[client]) - len(kept)
+            if kept:
+                self._by_client[client] = kept
+            else:
+                del self._by_client[client]
+
+    def clients(self) -> set[str | None]:
+        return set(self._by_client)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        """In the order they would be admitted if no counter changed."""
+        queues = {c: list(q) for c, q in self._by_client.items()}
+        while queues:
+            client = min(queues, key=self.counters.get)
+            yield queues[client].pop(0)
+            if not queues[client]:
+                del queues[client]
+
+
+class FairPolicy:
+    """The ``fair`` policy (see the module docstring)."""
+
+    reads_priority = False
+    accounts_service = True  # the scheduler calls ``account`` after each step's decisions
+
+    def __init__(self, client_weights: dict[str | None, float] | None = None,
+                 input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+        self.counters = ServiceCounters(input_weight, output_weight, client_weights)
+        self._queue: FairQueue | None = None
+
+    def configure(self, config) -> None:
+        """Client weights from ``SchedulerConfig.fair_client_weights``."""
+        self.counters.client_weights = parse_client_weights(config.fair_client_weights)
+
+    def make_queue(self) -> FairQueue:
+        self._queue = FairQueue(self.counters)
+        return self._queue
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        get = self.counters.get
+        # Largest counter; among its requests the latest (max of index breaks ties late).
+        return max(reversed(running), key=lambda r: get(r.tenant))
+
+    def displace(self, waiting: Request, running: list[Request]) -> Request | None:
+        return None
+
+    def account(self, scheduled: dict[str, int], requests: dict[str, Request],
+                running: list[Request]) -> None:
+        """Charge this step's scheduled tokens; refresh which clients are active."""
+        charge = self.counters.charge
+        for req_id, num_tokens in scheduled.items():
+            charge(requests[req_id], num_tokens)
+        active = {r.tenant for r in running}
+        if self._queue is not None:
+            active |= self._queue.clients()
+        self.counters.end_step(active)
+

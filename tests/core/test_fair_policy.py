@@ -1,0 +1,118 @@
+"""The ``fair`` policy (VTC): fair shares across clients by weighted service counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.config import SchedulerConfig
+from cadence.core.sched import fair
+from cadence.core.testing import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
+
+
+def tenant_request(req_id, tenant, prompt=8, max_tokens=4, **kwargs):
+    request = new_request(req_id, prompt, max_tokens=max_tokens, **kwargs)
+    request.tenant = tenant
+    return request
+
+
+def admission_order(s, runner, max_steps=500):
+    order = []
+    for _ in range(max_steps):
+        if not s.has_requests():
+            break
+        so, _ = step(s, runner)
+        order += [r.req_id for r in so.scheduled_new_reqs]
+    return order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_a_light_client_is_not_queued_behind_a_heavy_one(policy):
+    s = new_scheduler(policy=policy, max_num_seqs=2, num_gpu_blocks=256)
+    runner = FakeRunner(block_size=s.block_size)
+    for i in range(12):
+        s.add_request(tenant_request(f"heavy{i}", "heavy", max_tokens=6))
+    step(s, runner)
+    s.add_request(tenant_request("light0", "light", max_tokens=6))
+    s.add_request(tenant_request("light1", "light", max_tokens=6))
+    order = admission_order(s, runner)
+    # Under fair, light's requests are next in line as soon as slots free;
+    # under FCFS they wait for all ten queued heavy ones.
+    positions = [order.index("light0"), order.index("light1")]
+    if policy == "fair":
+        assert max(positions) <= 2
+    else:
+        assert min(positions) == 10
+    assert all_blocks_free(s)
+
+
+def test_no_banked_credit_for_a_client_that_was_idle():
+    """B idles while A is served; back, B is lifted to A's counter: they alternate."""
+    s = new_scheduler(policy="fair", max_num_seqs=1, num_gpu_blocks=256)
+    runner = FakeRunner(block_size=s.block_size)
+    for i in range(20):
+        s.add_request(tenant_request(f"a{i}", "A", max_tokens=4))
+    for _ in range(30):
+        step(s, runner)  # A alone (and still busy): its counter grows
+    counters = s.policy.counters
+    assert counters.get("A") > 0 and counters.get("B") == 0
+    for i in range(4):
+        s.add_request(tenant_request(f"b{i}", "B", max_tokens=4))
+    assert counters.get("B") == pytest.approx(counters.get("A"))  # lifted, not 0
+    order = admission_order(s, runner)
+    b_first = order[: 2 * 2]
+    # Without the lift B would take the next four slots in a row.
+    assert [r[0] for r in b_first] != ["b", "b", "b", "b"]
+    assert {f"b{i}" for i in range(4)} <= set(order)
+    assert all_blocks_free(s)
+
+
+def test_weights_share_service_two_to_one():
+    s = new_scheduler(policy="fair", fair_client_weights="alice=2,bob=1", max_num_seqs=1,
+                      num_gpu_blocks=256)
+    runner = FakeRunner(block_size=s.block_size)
+    for i in range(40):
+        s.add_request(tenant_request(f"alice{i}", "alice", prompt=4, max_tokens=4))
+        s.add_request(tenant_request(f"bob{i}", "bob", prompt=4, max_tokens=4))
+    order = admission_order(s, runner, max_steps=120)
+    first = order[:30]
+    alice = sum(r.startswith("alice") for r in first)
+    bob = sum(r.startswith("bob") for r in first)
+    assert 1.6 <= alice / bob <= 2.5, (alice, bob)
+
+
+def test_the_victim_is_from_the_most_served_client():
+    policy = fair.FairPolicy()
+    policy.make_queue()
+    a1, a2, b1 = (tenant_request(r, t) for r, t in (("a1", "A"), ("a2", "A"), ("b1", "B")))
+    policy.counters.counters.update({"A": 50.0, "B": 10.0})
+    assert policy.pick_victim([a1, b1, a2]) is a2  # A's, the latest admitted
+    assert policy.displace(b1, [a1]) is None
+
+
+def test_idle_counters_stay_bounded(monkeypatch):
+    monkeypatch.setattr(fair, "MAX_IDLE_COUNTERS", 5)
+    counters = fair.ServiceCounters()
+    for i in range(50):
+        counters.counters[f"gone{i}"] = float(i)
+    counters.counters["live"] = 100.0
+    counters.end_step({"live"})
+    assert len(counters.counters) == 6 and "live" in counters.counters
+    assert {f"gone{i}" for i in range(45, 50)} <= set(counters.counters)  # the highest are kept
+
+
+def test_client_weight_option_is_checked():
+    assert SchedulerConfig(policy="fair", fair_client_weights="a=2, b=0.5").fair_client_weights
+    with pytest.raises(ValueError, match=r"^fair_client_weights: applies to policy fair only"):
+        SchedulerConfig(fair_client_weights="a=2")
+    with pytest.raises(ValueError, match=r"^fair_client_weights: expected name=weight"):
+        SchedulerConfig(policy="fair", fair_client_weights="a=0")
+
+
+def test_fair_queue_keeps_every_request_once():
+    s = new_scheduler(policy="fair", max_num_seqs=3, num_gpu_blocks=40)
+    runner = FakeRunner(block_size=s.block_size)
+    for i in range(15):
+        s.add_request(tenant_request(f"r{i}", f"t{i % 4}", prompt=10 + i, max_tokens=5 + i % 3))
+    outputs = run_until_done(s, runner)
+    assert sorted(outputs) == sorted(f"r{i}" for i in range(15))
+    assert all_blocks_free(s) and len(s.waiting) == 0
