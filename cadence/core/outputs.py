@@ -120,6 +120,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     num_corrupted_reqs: int = 0
     num_preemptions: int = 0  # in the step just scheduled
     step_counter: int = 0
+    # Tokens served per client since start (policy fair), a bounded set of names.
+    client_service: dict[str, int] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -85,6 +85,11 @@ class PrometheusStatLogger:
             "request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens of a finished request.", _TOKEN_BUCKETS)
+        self.client_service = Gauge(
+            "cadence:client_service_tokens",
+            "Tokens computed for each client since start (policy fair; the 16 most served by "
+            "name, the rest as _other).", ["model_name", "client"], registry=self.registry)
+        self._clients: set[str] = set()
         self._num_queries = 0
         self._num_hits = 0
         self._frontend_gauges = {f.name: gauge(f"frontend_{f.name}", _FRONTEND_DOCS[f.name])
@@ -107,6 +112,15 @@ class PrometheusStatLogger:
             self._num_queries += queries
             self._num_hits += hits
             self.prefix_cache_hit_rate.set(self._num_hits / self._num_queries)
+        if stats.client_service is not None:
+            self._record_client_service(stats.client_service)
+
+    def _record_client_service(self, service: dict[str, int]) -> None:
+        for client in self._clients - service.keys():  # fell out of the named set
+            self.client_service.remove(self._model_name, client)
+        for client, tokens in service.items():
+            self.client_service.labels(self._model_name, client).set(tokens)
+        self._clients = set(service)
 
     def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)

@@ -116,3 +116,28 @@ def test_fair_queue_keeps_every_request_once():
     outputs = run_until_done(s, runner)
     assert sorted(outputs) == sorted(f"r{i}" for i in range(15))
     assert all_blocks_free(s) and len(s.waiting) == 0
+
+
+def test_service_stats_name_at_most_sixteen_clients():
+    counters = fair.ServiceCounters()
+    for i in range(20):
+        counters.served[f"c{i}"] = 100 + i
+    counters.served[None] = 1000
+    top = counters.top_served(fair.MAX_REPORTED_CLIENTS)
+    assert len(top) == 17 and top[fair.ANONYMOUS] == 1000
+    named = {k for k in top if k.startswith("c")}
+    assert named == {f"c{i}" for i in range(5, 20)}
+    assert top[fair.OTHER_CLIENTS] == sum(100 + i for i in range(5))
+
+
+def test_scheduler_stats_carry_client_service_under_fair_only():
+    for policy in ("fair", "fcfs"):
+        s = new_scheduler(policy=policy, log_stats=True)
+        runner = FakeRunner(block_size=s.block_size)
+        s.add_request(tenant_request("a", "alice", prompt=8, max_tokens=3))
+        run_until_done(s, runner)
+        stats = s.make_stats()
+        if policy == "fair":
+            assert stats.client_service == {"alice": 8 + 2}  # the prompt, then 2 decode steps
+        else:
+            assert stats.client_service is None

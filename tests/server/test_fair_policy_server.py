@@ -50,5 +50,9 @@ def test_light_client_is_served_before_the_heavy_backlog(make_server, policy):
     assert sorted(order) == sorted([f"heavy{i}" for i in range(HEAVY)] + ["light"])
     if policy == "fair":
         assert order.index("light") <= 2, order  # behind at most the one or two already admitted
+        # /metrics names each client's service (a bounded set of labels).
+        for client in ("heavy", "light"):
+            served = server.metrics(f'client="{client}"').get("cadence:client_service_tokens", 0)
+            assert served > 0, client
     else:
         assert order.index("light") >= HEAVY - 1, order

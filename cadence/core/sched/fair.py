@@ -33,6 +33,10 @@ from cadence.core.request import Request
 _RENORMALISE_AT = 1e12
 # Idle clients' counters kept at most (the lowest are dropped first).
 MAX_IDLE_COUNTERS = 10_000
+# Clients named in the stats (and so in /metrics labels); the rest are summed.
+MAX_REPORTED_CLIENTS = 16
+ANONYMOUS = "_anonymous"
+OTHER_CLIENTS = "_other"
 
 
 class ServiceCounters:
@@ -45,6 +49,8 @@ class ServiceCounters:
         self.client_weights = dict(client_weights or {})
         self.counters: dict[str | None, float] = {}
         self.active: set[str | None] = set()  # waiting or served in the last step
+        # Tokens computed for each client (unweighted, never lifted): what /metrics shows.
+        self.served: dict[str | None, int] = {}
 
     def get(self, client: str | None) -> float:
         return self.counters.get(client, 0.0)
@@ -66,6 +72,7 @@ class ServiceCounters:
         client = request.tenant
         weight = self.client_weights.get(client, 1.0)
         self.counters[client] = self.counters.get(client, 0.0) + cost / weight
+        self.served[client] = self.served.get(client, 0) + num_tokens
 
     def end_step(self, still_active: set[str | None]) -> None:
         """The clients with requests waiting or running after this step."""
@@ -83,6 +90,17 @@ class ServiceCounters:
             idle_clients = sorted((v, c) for c, v in self.counters.items() if c not in still_active)
             for value, client in idle_clients[: idle - MAX_IDLE_COUNTERS]:
                 del self.counters[client]
+                self.served.pop(client, None)
+
+    def top_served(self, limit: int) -> dict[str, int]:
+        """Tokens served per client: the ``limit`` most served by name, the rest
+        summed under ``OTHER_CLIENTS`` (bounded label cardinality for /metrics)."""
+        ranked = sorted(self.served.items(), key=lambda item: -item[1])
+        top = {ANONYMOUS if client is None else client: tokens for client, tokens in ranked[:limit]}
+        rest = sum(tokens for _, tokens in ranked[limit:])
+        if rest:
+            top[OTHER_CLIENTS] = top.get(OTHER_CLIENTS, 0) + rest
+        return top
 
 
 class FairQueue:
@@ -185,6 +203,10 @@ class FairPolicy:
 
     def displace(self, waiting: Request, running: list[Request]) -> Request | None:
         return None
+
+    def service_stats(self) -> dict[str, int]:
+        """Tokens served per client, at most ``MAX_REPORTED_CLIENTS`` names."""
+        return self.counters.top_served(MAX_REPORTED_CLIENTS)
 
     def account(self, scheduled: dict[str, int], requests: dict[str, Request],
                 running: list[Request]) -> None:

@@ -107,6 +107,7 @@ class Scheduler(SchedulerInterface):
         # Optional policy hooks (a registered policy may have neither).
         self._displace = getattr(self.policy, "displace", None)
         self._accounts_service = getattr(self.policy, "accounts_service", False)
+        self._service_stats = getattr(self.policy, "service_stats", None)
         # Shared with the lifecycle and the absorber: changed in place, never rebound.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
@@ -592,6 +593,7 @@ class Scheduler(SchedulerInterface):
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),
             num_preemptions=self._num_step_preemptions,
             step_counter=self.step_counter,
+            client_service=self._service_stats() if self._service_stats is not None else None,
         )
 
     def take_kv_events(self) -> list[KVCacheEvent]:
