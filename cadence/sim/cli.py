@@ -97,7 +97,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from cadence.sim.workload import SyntheticWorkload, read_trace, write_trace
 
     scheduler_cls, cache_cls, workload_cls = _config_classes()
-    options = EngineOptions.from_kwargs(**options_of(args, (scheduler_cls, cache_cls)))
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    kwargs = options_of(args, (scheduler_cls, cache_cls))
+    if kwargs.get("fair_client_weights") and "fair" in policies:
+        kwargs["policy"] = "fair"  # the weights are checked here, used by the fair run only
+    options = EngineOptions.from_kwargs(**kwargs)
     if options.cache.enable_kv_cache_events:
         raise ValueError("enable_kv_cache_events: not supported yet by the simulator "
                          "(it would record events and publish none)")
@@ -111,7 +115,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save_trace:
         write_trace(args.save_trace, specs)
     cost_model = make_cost_model(args.cost_model, args.model_config)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model)
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     summaries = {policy: result.summary(slo) for policy, result in results.items()}

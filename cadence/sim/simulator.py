@@ -286,7 +286,9 @@ def compare_policies(
     """The same specs (and so the same prompts) simulated under each policy."""
     results = {}
     for policy in policies:
-        config = replace(scheduler_config, policy=policy)
+        # Options of one policy stay with it (fair's client weights).
+        weights = scheduler_config.fair_client_weights if policy == "fair" else None
+        config = replace(scheduler_config, policy=policy, fair_client_weights=weights)
         simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory())
         results[policy] = simulator.run(specs, label=policy)
     return results

@@ -76,3 +76,16 @@ def test_options_the_simulator_would_ignore_are_refused(flags, field):
     args = parse(["simulate", "--num-requests", "4", *flags])
     with pytest.raises(ValueError, match=f"^{field}: not supported yet"):
         args.func(args)
+
+
+def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):
+    """Two clients at 10:1 and past capacity: under fair the light one is served at once."""
+    out = tmp_path / "fair"
+    args = parse(["simulate", "--policy", "fcfs,fair", "--num-requests", "600", "--rate", "90",
+                  "--client-shares", "10,1", "--fair-client-weights", "client0=1", "--seed", "1",
+                  "--out", str(out)])
+    assert args.func(args) == 0
+    policies = json.loads((out / "summary.json").read_text())["policies"]
+    fcfs, fair = policies["fcfs"]["per_client"], policies["fair"]["per_client"]
+    assert fair["1"]["ttft_p90_s"] < fcfs["1"]["ttft_p90_s"] / 5
+    assert fair["1"]["num_requests"] == fcfs["1"]["num_requests"]
