@@ -117,7 +117,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     cost_model = make_cost_model(args.cost_model, args.model_config)
     results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model)
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
-    summaries = {policy: result.summary(slo) for policy, result in results.items()}
+    # Jain's index weighs each client's service by its fair share, for every policy alike.
+    weights = _client_index_weights(options.scheduler.fair_client_weights)
+    summaries = {policy: result.summary(slo, weights) for policy, result in results.items()}
     print(format_table(summaries))
     if args.out:
         from cadence.sim.plots import write_plots
@@ -165,11 +167,23 @@ ROWS = (
     ("E2E p50 (s)", ("e2e_s", "p50"), "{:.3f}"),
     ("preemptions", ("preemptions",), "{}"),
     ("prefix hit rate", ("prefix_hit_rate",), "{:.1%}"),
+    ("Jain, backlogged", ("jain_index_backlogged",), "{:.3f}"),
     ("finished", ("num_finished",), "{}"),
     ("rejected", ("num_rejected",), "{}"),
     ("simulated s", ("clock_s",), "{:.1f}"),
     ("wall s", ("sim_wall_s",), "{:.2f}"),
 )
+
+
+def _client_index_weights(text: str | None) -> dict[int, float]:
+    """``client0=2,client1=1`` (the simulator's client names) -> {0: 2.0, 1: 1.0}."""
+    from cadence.config import parse_client_weights
+
+    weights = {}
+    for name, weight in parse_client_weights(text).items():
+        if name is not None and name.startswith("client") and name[6:].isdigit():
+            weights[int(name[6:])] = weight
+    return weights
 
 
 def format_table(summaries: dict[str, dict[str, Any]]) -> str:

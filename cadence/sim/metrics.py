@@ -28,6 +28,7 @@ from cadence.core.outputs import EngineCoreOutputs
 from cadence.sim.workload import RequestSpec
 
 PERCENTILES = (50, 90, 95, 99)
+SERVICE_WINDOW_S = 1.0  # the windows Jain's fairness index is taken over
 
 
 @dataclass
@@ -55,6 +56,9 @@ class MetricsRecorder:
         self.rejected = [False] * n  # prompt longer than the context: never added
         self.itl = array("d")
         self.timeline = Timeline()
+        # Tokens served per client in each SERVICE_WINDOW_S window: {window: {client: tokens}}
+        # (a request's prompt counts when its first token comes).
+        self.service: dict[int, dict[int, int]] = {}
         # req_id -> index, for requests still running.
         self._live: dict[str, int] = {}
 
@@ -73,11 +77,16 @@ class MetricsRecorder:
                 i = live[out.request_id]
                 num_new = len(out.new_token_ids)
                 if num_new:
+                    served = num_new
                     if num_output[i]:
                         itl_append(time - last[i])
                     else:
                         first[i] = time
                         self.num_cached[i] = out.num_cached_tokens
+                        served += self.specs[i].prompt_tokens
+                    window = self.service.setdefault(int(time / SERVICE_WINDOW_S), {})
+                    client = self.specs[i].client
+                    window[client] = window.get(client, 0) + served
                     if num_new > 1:  # several tokens in one step (drafts accepted)
                         self.itl.extend([0.0] * (num_new - 1))
                     last[i] = time
@@ -117,8 +126,39 @@ def distribution(values: Iterable[float]) -> dict[str, float | int]:
     return result
 
 
-def summarize(recorder: MetricsRecorder, slo: SLO = SLO(), num_preemptions: int | None = None) -> dict[str, Any]:
-    """The JSON summary of one run."""
+def jain_index(recorder: MetricsRecorder, client_weights: dict[int, float] | None = None) -> float | None:
+    """Jain's index of weighted service over backlogged clients, averaged over windows.
+
+    In each ``SERVICE_WINDOW_S`` window, the clients with a request waiting
+    for its first token at some point of it are backlogged; with two or more,
+    ``J = (sum x)^2 / (n * sum x^2)`` of their tokens served in it divided by
+    their weights (1 = perfectly fair shares, 1/n = one client takes all).
+    None when no window has two backlogged clients.
+    """
+    import numpy as np
+
+    weights = client_weights or {}
+    arrival = np.asarray(recorder.arrival)
+    first = np.asarray(recorder.first_token)
+    first = np.where(np.isnan(first), np.inf, first)
+    clients = np.asarray([s.client for s in recorder.specs])
+    served_mask = ~np.asarray(recorder.rejected, dtype=bool)
+    indices = []
+    for window, served in recorder.service.items():
+        start, end = window * SERVICE_WINDOW_S, (window + 1) * SERVICE_WINDOW_S
+        waiting = served_mask & (arrival < end) & (first > start)
+        backlogged = set(np.unique(clients[waiting]).tolist())
+        if len(backlogged) < 2:
+            continue
+        x = np.array([served.get(c, 0) / weights.get(c, 1.0) for c in sorted(backlogged)])
+        if x.sum() > 0:
+            indices.append(float(x.sum() ** 2 / (len(x) * (x ** 2).sum())))
+    return float(np.mean(indices)) if indices else None
+
+
+def summarize(recorder: MetricsRecorder, slo: SLO = SLO(), num_preemptions: int | None = None,
+              client_weights: dict[int, float] | None = None) -> dict[str, Any]:
+    """The JSON summary of one run (``client_weights``: for Jain's index)."""
     import numpy as np
 
     specs = recorder.specs
@@ -162,6 +202,7 @@ def summarize(recorder: MetricsRecorder, slo: SLO = SLO(), num_preemptions: int 
     }
     per_group = (ttft, tpot, e2e, num_output, good, makespan)
     summary["per_client"] = _per_group([s.client for s in specs], *per_group)
+    summary["jain_index_backlogged"] = jain_index(recorder, client_weights)
     summary["per_priority"] = _per_group([s.priority for s in specs], *per_group)
     if num_preemptions is not None:
         summary["preemptions"] = num_preemptions

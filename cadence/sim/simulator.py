@@ -210,8 +210,8 @@ class SimResult:
     busy_s: float
     wall_s: float
 
-    def summary(self, slo: SLO = SLO()) -> dict[str, Any]:
-        result = summarize(self.recorder, slo, self.num_preemptions)
+    def summary(self, slo: SLO = SLO(), client_weights: dict[int, float] | None = None) -> dict[str, Any]:
+        result = summarize(self.recorder, slo, self.num_preemptions, client_weights)
         result.update(
             label=self.label, num_steps=self.num_steps, clock_s=self.clock_s,
             busy_s=self.busy_s, sim_wall_s=self.wall_s,

@@ -89,3 +89,16 @@ def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):
     fcfs, fair = policies["fcfs"]["per_client"], policies["fair"]["per_client"]
     assert fair["1"]["ttft_p90_s"] < fcfs["1"]["ttft_p90_s"] / 5
     assert fair["1"]["num_requests"] == fcfs["1"]["num_requests"]
+
+
+def test_weighted_shares_give_a_fair_jain_index(tmp_path, capsys):
+    """Both clients past capacity, client0 weighted 2: fair serves 2:1, FCFS 1:1."""
+    out = tmp_path / "jain"
+    args = parse(["simulate", "--policy", "fcfs,fair", "--num-requests", "1500", "--rate", "110",
+                  "--client-shares", "1,1", "--fair-client-weights", "client0=2", "--seed", "1",
+                  "--out", str(out)])
+    assert args.func(args) == 0
+    assert "Jain, backlogged" in capsys.readouterr().out
+    policies = json.loads((out / "summary.json").read_text())["policies"]
+    fcfs, fair = policies["fcfs"]["jain_index_backlogged"], policies["fair"]["jain_index_backlogged"]
+    assert fair >= 0.95 and fair > fcfs
