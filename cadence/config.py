@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "slo")
+# Options that belong to one policy (refused with any other).
+POLICY_OPTIONS = {"fair": ("fair_client_weights",), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 # Drafting methods that need KV slots beyond the verified tokens for the
 # drafter's own forward passes (the draft model writes its KV there).
@@ -58,9 +60,19 @@ class SchedulerConfig:
     policy: str = option("fcfs", "Queue order: fcfs; priority (lower value first; a better "
                                  "priority also displaces the worst running request when "
                                  "max_num_seqs is full); fair (fair shares across clients, "
-                                 "named by the request's user).")
+                                 "named by the request's user); slo (latency targets first).")
     fair_client_weights: str | None = option(
         None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1)."
+    )
+    slo_ttft_s: float | None = option(
+        None, "With policy slo: the time-to-first-token target of requests that set none (s)."
+    )
+    slo_tpot_s: float | None = option(
+        None, "With policy slo: the time-per-output-token target of requests that set none (s)."
+    )
+    slo_reject: bool = option(
+        False, "With policy slo: refuse (HTTP 429, Retry-After) a request whose TTFT target "
+               "is predicted to be missed."
     )
     async_scheduling: bool = option(
         False, "Schedule the next step while the current one runs (output placeholders). "
@@ -111,6 +123,13 @@ class SchedulerConfig:
             _require(self.long_prefill_token_threshold > 0, "max_long_partial_prefills",
                      "needs long_prefill_token_threshold > 0 (what makes a prompt long)")
         _require(self.max_blocked_bypass_steps >= 0, "max_blocked_bypass_steps", "must be >= 0")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(self.policy == "slo", name, "applies to policy slo only")
+                _require(0 < value < float("inf"), name, "must be a positive number of seconds")
+        if self.slo_reject:
+            _require(self.policy == "slo", "slo_reject", "applies to policy slo only")
         if self.fair_client_weights is not None:
             _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
             parse_client_weights(self.fair_client_weights)

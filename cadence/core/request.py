@@ -108,7 +108,7 @@ class Request:
         "stop_token_ids", "stops_on_eos", "num_output_placeholders", "num_preemptions",
         "block_hashes", "mm_positions", "mm_hashes", "structured_output_request",
         "events", "parent_request_id", "num_nans_in_logits", "fork_point",
-        "extra_hash_key", "tenant",
+        "extra_hash_key", "tenant", "slo_ttft_s", "slo_tpot_s",
     )
 
     def __init__(
@@ -126,11 +126,16 @@ class Request:
         mm_hashes: list[str] | None = None,
         max_model_len: int | None = None,
         tenant: str | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
         # Who sent it, for fair shares (the OpenAI ``user`` field); None: anonymous.
         self.tenant = tenant
+        # Latency targets for the slo policy (None: the deployment's default, if any).
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.sampling_params = sampling_params

@@ -70,7 +70,12 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests wait for a running slot (answered with HTTP 429)."""
+    """Too many requests wait for a running slot, or a latency target is out of
+    reach (answered with HTTP 429; ``retry_after_s`` becomes Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 # The engine orders by priority as a signed 64-bit integer (msgpack carries no more).
@@ -111,6 +116,8 @@ class StatLogger(Protocol):
     def record_finished(self, e2e_s: float, ttft_s: float | None, finish_reason: str,
                         num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
 
+    def record_slo(self, met: bool) -> None: ...
+
     def watch_frontend(self, read: Callable[[], FrontendState]) -> None:
         """Report ``read()`` when asked (gauges read at scrape time, never stale)."""
         ...
@@ -123,6 +130,19 @@ class _Timing:
     first_token: float | None = None
     last_token: float | None = None
     num_generation_tokens: int = 0
+    # Latency targets (policy slo): the request's own, else the deployment's.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+
+    def slo_met(self, now: float, num_tokens: int) -> bool | None:
+        """Whether a finished request met its targets (None: it had none)."""
+        if self.slo_ttft_s is None and self.slo_tpot_s is None:
+            return None
+        if self.first_token is None:
+            return False
+        ttft_ok = self.slo_ttft_s is None or self.first_token - self.arrival <= self.slo_ttft_s
+        tpot = (now - self.first_token) / (num_tokens - 1) if num_tokens > 1 else 0.0
+        return ttft_ok and (self.slo_tpot_s is None or tpot <= self.slo_tpot_s)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -188,6 +208,7 @@ class AsyncLLM:
     def __init__(self, *, stat_logger: StatLogger | None = None,
                  max_num_queued_requests: int | None = None) -> None:
         self._folder, self.input_address, self.output_address = new_ipc_addresses()
+        self._slo_defaults: tuple[float | None, float | None] = (None, None)  # see start
         # Sends go through a plain socket: a PUSH with no high-water mark never
         # blocks, so a handler or the output loop can send without awaiting.
         self._send_ctx = zmq.Context()
@@ -223,6 +244,9 @@ class AsyncLLM:
                     timeout_s: float = 600.0) -> EngineReady:
         """Spawn the engine process, load the tokenizer alone (off the loop, while the
         engine builds; the weights live in the engine process) and wait for the handshake."""
+        scheduler = options.scheduler
+        if scheduler.policy == "slo":
+            self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
         process = start_engine_process(options, self.input_address, self.output_address,
                                        model_name)
         self.process = process  # owned from here: shutdown() stops it even if loading fails
@@ -294,6 +318,7 @@ class AsyncLLM:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, priority: int = 0, user: str | None = None,
+        slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
 
@@ -308,7 +333,8 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         check_priority(priority)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
-                               self.info.max_model_len, priority=priority, user=user)
+                               self.info.max_model_len, priority=priority, user=user,
+                               slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
         self.check_can_ever_admit(params.n)
         self._check_queue(params.n)
         message = encode(ADD, EngineCoreRequest.from_request(request))
@@ -387,7 +413,11 @@ class AsyncLLM:
         request_id, params = request.request_id, request.sampling_params
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._timings[request_id] = _Timing(request.arrival_time, request.num_prompt_tokens)
+        ttft_default, tpot_default = self._slo_defaults
+        self._timings[request_id] = _Timing(
+            request.arrival_time, request.num_prompt_tokens,
+            slo_ttft_s=request.slo_ttft_s if request.slo_ttft_s is not None else ttft_default,
+            slo_tpot_s=request.slo_tpot_s if request.slo_tpot_s is not None else tpot_default)
         self._num_seqs[request_id] = params.n
         self._num_unfinished_seqs += params.n
         self._processor.add_request(request_id, prompt, request.prompt_token_ids, params)
@@ -432,7 +462,11 @@ class AsyncLLM:
                 else:
                     future.set_result(message.result)
         elif kind == REQUEST_ERROR:
-            self._fail_request(message.request_id, ValueError(message.message))
+            if message.retry_after_s is not None:  # refused for the load: try again later
+                error: Exception = QueueFullError(message.message, retry_after_s=message.retry_after_s)
+            else:
+                error = ValueError(message.message)
+            self._fail_request(message.request_id, error)
         elif kind == FAILED:
             self._failure = message.message
             logger.error("cadence: the engine failed:\n%s", message.message)
@@ -475,6 +509,9 @@ class AsyncLLM:
             ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
             self.stat_logger.record_finished(now - timing.arrival, ttft, reason,
                                              timing.num_prompt_tokens, num_tokens)
+            met = timing.slo_met(now, num_tokens)
+            if met is not None:
+                self.stat_logger.record_slo(met)
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

@@ -28,6 +28,7 @@ import zmq
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, PrefixCacheStats
+from cadence.core.sched.slo import SLOUnattainable
 from cadence.engine import wire
 
 _IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent lives
@@ -151,9 +152,16 @@ class EngineCoreProc:
             if message.priority and not self.core.scheduler.policy.reads_priority:
                 raise ValueError("priority: this server schedules first come, first served; "
                                  "start it with --policy priority to use request priorities")
+            if (message.slo_ttft_s is not None or message.slo_tpot_s is not None) \
+                    and not getattr(self.core.scheduler.policy, "reads_slo", False):
+                raise ValueError("slo_ttft_s: this server does not schedule for latency targets; "
+                                 "start it with --policy slo to use them")
             self.core.add_request(message.to_request(self.engine.max_model_len))
         except ValueError as err:
             error = wire.RequestError(message.request_id, str(err))
+            self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
+        except SLOUnattainable as err:
+            error = wire.RequestError(message.request_id, str(err), err.retry_after_s)
             self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
 
     def _utility(self, call: wire.UtilityCall) -> None:

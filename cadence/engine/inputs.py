@@ -40,6 +40,8 @@ def make_request(
     client_index: int = 0,
     arrival_time: float | None = None,
     user: str | None = None,
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
 ) -> Request:
     """A validated core request (prompt length checked against the context).
 
@@ -47,6 +49,10 @@ def make_request(
     """
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_LEN):
         raise ValueError(f"user: must be a string of at most {MAX_USER_LEN} characters")
+    for name, target in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 < target < float("inf")):
+            raise ValueError(f"{name}: must be a positive number of seconds, got {target!r}")
     if not token_ids:
         raise ValueError("prompt: must not be empty")
     if len(token_ids) >= max_model_len:
@@ -63,5 +69,5 @@ def make_request(
     return Request(
         request_id, token_ids, params, eos_token_id=eos, priority=priority,
         client_index=client_index, arrival_time=time.time() if arrival_time is None else arrival_time,
-        max_model_len=max_model_len, tenant=user,
+        max_model_len=max_model_len, tenant=user, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
     )

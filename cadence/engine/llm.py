@@ -27,6 +27,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, dtype=dtype, **engine_options)
+        if self.options.scheduler.slo_reject:
+            raise ValueError("slo_reject: refuses requests under load, which only a server can "
+                             "answer (429); offline generation runs every request")
         self.engine: Engine = build_engine(self.options)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)

@@ -37,16 +37,20 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     arrival_time: float
     priority: int = 0
     tenant: str | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
-                   request.eos_token_id, request.arrival_time, request.priority, request.tenant)
+                   request.eos_token_id, request.arrival_time, request.priority, request.tenant,
+                   request.slo_ttft_s, request.slo_tpot_s)
 
     def to_request(self, max_model_len: int) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
-                       priority=self.priority, max_model_len=max_model_len, tenant=self.tenant)
+                       priority=self.priority, max_model_len=max_model_len, tenant=self.tenant,
+                       slo_ttft_s=self.slo_ttft_s, slo_tpot_s=self.slo_tpot_s)
 
 
 class EngineReady(msgspec.Struct, gc=False):
@@ -77,6 +81,7 @@ class RequestError(msgspec.Struct, array_like=True, gc=False):
 
     request_id: str
     message: str
+    retry_after_s: float | None = None  # set: the load refused it (HTTP 429), not the input
 
 
 class EngineFailed(msgspec.Struct, gc=False):

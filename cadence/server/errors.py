@@ -147,7 +147,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def _queue(_: Request, err: QueueFullError) -> JSONResponse:
-        return error_response(429, str(err))
+        response = error_response(429, str(err))
+        if err.retry_after_s is not None:
+            response.headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, err: EngineDeadError) -> JSONResponse:

@@ -90,6 +90,9 @@ class PrometheusStatLogger:
             "Tokens computed for each client since start (policy fair; the 16 most served by "
             "name, the rest as _other).", ["model_name", "client"], registry=self.registry)
         self._clients: set[str] = set()
+        self._slo = Counter(
+            "cadence:slo_requests", "Finished requests with latency targets (policy slo), by "
+            "whether they met them.", ["model_name", "result"], registry=self.registry)
         self._num_queries = 0
         self._num_hits = 0
         self._frontend_gauges = {f.name: gauge(f"frontend_{f.name}", _FRONTEND_DOCS[f.name])
@@ -139,6 +142,9 @@ class PrometheusStatLogger:
         self.request_generation_tokens.observe(num_generation_tokens)
         if ttft_s is not None and num_generation_tokens > 1:
             self.request_time_per_output_token.observe((e2e_s - ttft_s) / (num_generation_tokens - 1))
+
+    def record_slo(self, met: bool) -> None:
+        self._slo.labels(self._model_name, "met" if met else "missed").inc()
 
     def watch_frontend(self, read: Callable[[], FrontendState]) -> None:
         for name, frontend_gauge in self._frontend_gauges.items():

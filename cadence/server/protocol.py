@@ -124,6 +124,9 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Latency targets for --policy slo (seconds); None: the server's defaults.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:

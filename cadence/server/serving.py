@@ -56,7 +56,7 @@ class OpenAIServing:
         for _, token_ids in prompts:
             check_fits_context(len(token_ids), params, self._max_model_len)
         self.llm.check_can_ever_admit(params.n * len(prompts))
-        streams = self._submit(request_id, prompts, params, body.priority, body.user)
+        streams = self._submit(request_id, prompts, params, body)
         created = int(time.time())
         if body.stream:
             chunks = self._completion_chunks(request_id, created, streams, params.n,
@@ -131,7 +131,7 @@ class OpenAIServing:
         check_fits_context(len(token_ids), params, self._max_model_len, "messages", tokens_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            streams = self._submit(request_id, [(text, token_ids)], params, body.priority, body.user)
+            streams = self._submit(request_id, [(text, token_ids)], params, body)
         except ValueError as err:
             message = str(err)
             if message.startswith("prompt:"):  # the conversation is the prompt here
@@ -218,14 +218,16 @@ class OpenAIServing:
             raise ValueError(f"n: must be <= {self.max_n} (this server's --max-n), got {n}")
 
     def _submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params,
-                priority: int, user: str | None = None) -> list[RequestStream]:
+                body) -> list[RequestStream]:
         """One engine request per prompt; on any refusal, nothing stays submitted."""
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.llm.add_request(sub_id, token_ids, params, prompt=text,
-                                                    priority=priority, user=user))
+                                                    priority=body.priority, user=body.user,
+                                                    slo_ttft_s=body.slo_ttft_s,
+                                                    slo_tpot_s=body.slo_tpot_s))
         except BaseException:
             for stream in streams:
                 stream.close()

@@ -90,7 +90,7 @@ def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from cadence.config_cli import options_of
-    from cadence.config import EngineOptions
+    from cadence.config import POLICY_OPTIONS, EngineOptions
     from cadence.sim.cost_model import make_cost_model
     from cadence.sim.metrics import SLO
     from cadence.sim.simulator import compare_policies
@@ -99,8 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     scheduler_cls, cache_cls, workload_cls = _config_classes()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     kwargs = options_of(args, (scheduler_cls, cache_cls))
-    if kwargs.get("fair_client_weights") and "fair" in policies:
-        kwargs["policy"] = "fair"  # the weights are checked here, used by the fair run only
+    for policy, names in POLICY_OPTIONS.items():
+        if policy in policies and any(kwargs.get(name) for name in names):
+            kwargs["policy"] = policy  # checked here; compare_policies gives them to that run only
     options = EngineOptions.from_kwargs(**kwargs)
     if options.cache.enable_kv_cache_events:
         raise ValueError("enable_kv_cache_events: not supported yet by the simulator "

@@ -174,7 +174,10 @@ def summarize(recorder: MetricsRecorder, slo: SLO = SLO(), num_preemptions: int 
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(num_output > 1, (last - first) / (num_output - 1), np.nan)
     makespan = float(np.nanmax(last) - arrival.min()) if finished.any() else 0.0
-    good = finished & (ttft <= slo.ttft_s) & ~(tpot > slo.tpot_s)  # a 1-token request has no TPOT
+    # Each request's own targets where it has them (interactive), else the run's.
+    ttft_target = np.asarray([slo.ttft_s if s.slo_ttft_s is None else s.slo_ttft_s for s in specs])
+    tpot_target = np.asarray([slo.tpot_s if s.slo_tpot_s is None else s.slo_tpot_s for s in specs])
+    good = finished & (ttft <= ttft_target) & ~(tpot > tpot_target)  # a 1-token request has no TPOT
     total_output = int(num_output.sum())
     summary: dict[str, Any] = {
         "num_requests": len(specs),
@@ -204,6 +207,9 @@ def summarize(recorder: MetricsRecorder, slo: SLO = SLO(), num_preemptions: int 
     summary["per_client"] = _per_group([s.client for s in specs], *per_group)
     summary["jain_index_backlogged"] = jain_index(recorder, client_weights)
     summary["per_priority"] = _per_group([s.priority for s in specs], *per_group)
+    classes = [int(s.slo_ttft_s is not None or s.slo_tpot_s is not None) for s in specs]
+    summary["per_class"] = {("interactive" if k == "1" else "batch"): v
+                            for k, v in _per_group(classes, *per_group).items()}
     if num_preemptions is not None:
         summary["preemptions"] = num_preemptions
     return summary

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from cadence.config import CacheConfig, SchedulerConfig
+from cadence.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
+from cadence.core.sched.slo import SLOUnattainable
 from cadence.core.request import Request
 from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore
@@ -61,7 +62,7 @@ class RequestFactory:
             str(index), self.prompt_maker.make(index, spec), params,
             eos_token_id=self.eos_token_id, arrival_time=spec.arrival_time,
             priority=spec.priority, client_index=spec.client, max_model_len=self.max_model_len,
-            tenant=f"client{spec.client}",
+            tenant=f"client{spec.client}", slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
         )
 
 
@@ -191,8 +192,12 @@ def _inject(core, specs, index, factory, recorder) -> None:
         recorder.on_reject(index)
         return
     request = factory.make(index, spec)
+    try:
+        core.add_request(request)
+    except SLOUnattainable:  # the slo policy refused it at admission (slo_reject)
+        recorder.on_reject(index)
+        return
     recorder.on_arrival(index, request.request_id, spec.arrival_time)
-    core.add_request(request)
 
 
 # ---------------------------------------------------------------- simulation
@@ -252,7 +257,8 @@ class Simulator:
             cache_config = replace(cache_config, num_gpu_blocks=num_blocks)
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.scheduler = Scheduler(scheduler_config, cache_config)
+        # The policy reads the virtual clock (arrival times are on it).
+        self.scheduler = Scheduler(scheduler_config, cache_config, clock=lambda: self.clock.now)
         self.runner = SimRunner(cost_model)
         self.core = EngineCore(self.scheduler, self.runner)
         self.clock = VirtualClock(self.runner)
@@ -286,9 +292,11 @@ def compare_policies(
     """The same specs (and so the same prompts) simulated under each policy."""
     results = {}
     for policy in policies:
-        # Options of one policy stay with it (fair's client weights).
-        weights = scheduler_config.fair_client_weights if policy == "fair" else None
-        config = replace(scheduler_config, policy=policy, fair_client_weights=weights)
+        # Options of one policy stay with it (fair's client weights, slo's targets).
+        defaults = SchedulerConfig()
+        others = {name: getattr(defaults, name) for owner, names in POLICY_OPTIONS.items()
+                  if owner != policy for name in names}
+        config = replace(scheduler_config, policy=policy, **others)
         simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory())
         results[policy] = simulator.run(specs, label=policy)
     return results

@@ -39,6 +39,9 @@ class RequestSpec:
     prefix_tokens: int = 0  # leading prompt tokens shared with its group
     priority: int = 0
     client: int = 0
+    # Latency targets (interactive requests); None: batch, judged by the run's SLO.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -68,6 +71,10 @@ class SyntheticWorkload:
     prefix_tokens: int = option(256, "Shared prefix length of a group (cut to the prompt).")
     priorities: str = option("0", "Priority values, drawn uniformly, comma separated.")
     num_clients: int = option(1, "Client ids 0..N-1, drawn uniformly.")
+    interactive_fraction: float = option(
+        0.0, "Share of requests that carry latency targets (interactive); the rest are batch.")
+    interactive_slo: str = option(
+        "0.5,0.05", "The interactive requests' targets: TTFT seconds, TPOT seconds.")
     client_shares: str | None = option(
         None, "Relative request shares of clients 0, 1, ... (e.g. 10,1); overrides num_clients.")
     seed: int = option(0, "Random seed.")
@@ -85,6 +92,9 @@ class SyntheticWorkload:
             raise ValueError("prefix_fraction: must be in [0, 1]")
         parse_length_dist(self.prompt_len)
         parse_length_dist(self.output_len)
+        if not 0 <= self.interactive_fraction <= 1:
+            raise ValueError("interactive_fraction: must be in [0, 1]")
+        self.interactive_targets()
         if self.client_shares is not None:
             try:
                 shares = [float(x) for x in self.client_shares.split(",")]
@@ -92,6 +102,16 @@ class SyntheticWorkload:
                 shares = []
             if not shares or any(not s > 0 or s == float("inf") for s in shares):
                 raise ValueError(f"client_shares: expected positive numbers, e.g. 10,1; got {self.client_shares!r}")
+
+    def interactive_targets(self) -> tuple[float, float]:
+        try:
+            ttft, tpot = (float(x) for x in self.interactive_slo.split(","))
+        except ValueError:
+            ttft = tpot = float("nan")
+        if not (ttft > 0 and tpot > 0):
+            raise ValueError(f"interactive_slo: expected TTFT,TPOT seconds, e.g. 0.5,0.05; "
+                             f"got {self.interactive_slo!r}")
+        return ttft, tpot
 
     def generate(self) -> list[RequestSpec]:
         import numpy as np
@@ -110,6 +130,9 @@ class SyntheticWorkload:
             clients = rng.choice(len(shares), n, p=shares / shares.sum())
         else:
             clients = rng.integers(0, self.num_clients, n)
+        interactive = (rng.random(n) < self.interactive_fraction if self.interactive_fraction
+                       else np.zeros(n, bool))
+        ttft_target, tpot_target = self.interactive_targets()
         specs = []
         for i in range(n):
             prompt = int(prompts[i])
@@ -122,6 +145,8 @@ class SyntheticWorkload:
                 prefix_tokens=min(self.prefix_tokens, prompt) if grouped else 0,
                 priority=int(priorities[i]),
                 client=int(clients[i]),
+                slo_ttft_s=ttft_target if interactive[i] else None,
+                slo_tpot_s=tpot_target if interactive[i] else None,
             ))
         return specs
 
@@ -206,6 +231,8 @@ def _spec_from_row(row: dict, where: str) -> RequestSpec:
         prefix_tokens=int(prefix),
         priority=int(row.get("priority", 0)),
         client=int(row.get("client", 0)),
+        slo_ttft_s=row.get("slo_ttft_s"),
+        slo_tpot_s=row.get("slo_tpot_s"),
     )
 
 
@@ -216,6 +243,9 @@ def write_trace(path: str | Path, specs: Iterable[RequestSpec]) -> None:
             row = asdict(spec)
             if spec.prefix_group is None:
                 del row["prefix_group"], row["prefix_tokens"]
+            for name in ("slo_ttft_s", "slo_tpot_s"):
+                if row[name] is None:
+                    del row[name]
             f.write(json.dumps(row) + "\n")
 
 

@@ -102,3 +102,16 @@ def test_weighted_shares_give_a_fair_jain_index(tmp_path, capsys):
     policies = json.loads((out / "summary.json").read_text())["policies"]
     fcfs, fair = policies["fcfs"]["jain_index_backlogged"], policies["fair"]["jain_index_backlogged"]
     assert fair >= 0.95 and fair > fcfs
+
+
+def test_slo_policy_raises_goodput_of_interactive_requests(tmp_path):
+    """Interactive (TTFT 0.5 s, TPOT 50 ms) among batch requests at 1.2x capacity."""
+    out = tmp_path / "slo"
+    args = parse(["simulate", "--policy", "fcfs,slo", "--num-requests", "1500", "--rate", "64",
+                  "--interactive-fraction", "0.3", "--interactive-slo", "0.5,0.05",
+                  "--slo-ttft", "1e6", "--slo-tpot", "1e6", "--slo-reject", "--seed", "1",
+                  "--out", str(out)])
+    assert args.func(args) == 0
+    policies = json.loads((out / "summary.json").read_text())["policies"]
+    met = {p: policies[p]["per_class"]["interactive"]["slo_fraction"] for p in ("fcfs", "slo")}
+    assert met["slo"] >= 0.9 and met["slo"] >= 1.5 * met["fcfs"]

@@ -6,6 +6,8 @@ on the policy's name. Add one with ``@register_policy("name")``.
 - ``fcfs``:     arrival order; the victim is the request admitted last.
 - ``fair``:     fair shares across clients (``Request.tenant``) by weighted
                 service counters, VTC; see ``cadence.core.sched.fair``.
+- ``slo``:      latency targets: least slack first, batch work last,
+                predicted misses refused; see ``cadence.core.sched.slo``.
 - ``priority``: lower ``priority`` value first, ties by arrival; the victim
                 is the running request with the worst (priority, arrival).
                 When ``max_num_seqs`` is full, a waiting request of a
@@ -192,3 +194,12 @@ def _fair_policy() -> SchedulingPolicy:
 register_policy("fcfs")(FCFSPolicy)
 register_policy("priority")(PriorityPolicy)
 register_policy("fair")(_fair_policy)
+
+
+def _slo_policy() -> SchedulingPolicy:
+    from cadence.core.sched.slo import SLOPolicy
+
+    return SLOPolicy()
+
+
+register_policy("slo")(_slo_policy)

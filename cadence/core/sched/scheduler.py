@@ -24,7 +24,8 @@ KV-read budget), ``encoder``, ``spec_decode``, ``structured_output``,
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Iterable
+import time
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from cadence.core.kv_cache import KVCacheManager
@@ -83,7 +84,10 @@ class Scheduler(SchedulerInterface):
         structured_output_manager: StructuredOutputManager | None = None,
         log_stats: bool = False,
         include_finished_set: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: the time requests' arrival times are on (the simulator's
+        virtual clock there); policies that time steps read it."""
         if cache_config.num_gpu_blocks is None:
             raise ValueError("num_gpu_blocks: the scheduler needs the number of KV-cache blocks")
         self.config = scheduler_config
@@ -104,6 +108,9 @@ class Scheduler(SchedulerInterface):
         self.policy = make_policy(scheduler_config.policy)
         if hasattr(self.policy, "configure"):
             self.policy.configure(scheduler_config)
+        if hasattr(self.policy, "set_clock"):
+            self.policy.set_clock(clock)
+        self._check_admission = getattr(self.policy, "check_admission", None)
         # Optional policy hooks (a registered policy may have neither).
         self._displace = getattr(self.policy, "displace", None)
         self._accounts_service = getattr(self.policy, "accounts_service", False)
@@ -549,6 +556,8 @@ class Scheduler(SchedulerInterface):
                 f"prompt: {request.num_prompt_tokens} tokens exceed max_num_batched_tokens="
                 f"{self.max_num_scheduled_tokens}, and without chunked prefill a prompt is "
                 "prefilled in one step")
+        if self._check_admission is not None:
+            self._check_admission(request)  # e.g. SLOUnattainable: a target out of reach
         self.lifecycle.add(request)
 
     def finish_requests(

@@ -1,0 +1,213 @@
+"""``slo``: schedule for latency targets (TTFT, TPOT) instead of arrival order.
+
+A request may carry targets (``Request.slo_ttft_s``, ``slo_tpot_s``); the
+deployment's defaults (``--slo-ttft-s``, ``--slo-tpot-s``) fill in the rest.
+A request with neither is *batch* work: it runs when nothing urgent waits.
+
+- **Order by slack.** Waiting requests are served by their latest start:
+  ``arrival + TTFT target - predicted prefill time``, batch work last (FCFS
+  among itself). The prediction comes from ``StepTimeModel``, fitted online
+  to the engine's own step times (the time between consecutive ``schedule``
+  calls of a busy engine, on the scheduler's clock: wall time when serving,
+  the virtual clock in the simulator).
+- **Preempt the loosest.** When blocks run out, the victim is batch work
+  first (its latest arrival), then the request with the loosest TPOT target.
+  When ``max_num_seqs`` is full, a waiting request with a target displaces
+  the latest running batch request; targets never displace targets.
+- **Refuse what cannot be met** (``--slo-reject``): a request whose predicted
+  TTFT, behind every waiting request with an earlier latest start, already
+  misses its target is refused at admission (``SLOUnattainable``, HTTP 429
+  with a Retry-After), so the capacity goes to requests that can still meet
+  theirs: goodput, not throughput.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from typing import Callable, Iterable, Iterator
+
+from cadence.core.request import Request
+
+_INF = float("inf")
+
+
+class SLOUnattainable(Exception):
+    """The request's TTFT target cannot be met at the current load."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StepTimeModel:
+    """``seconds = a + b * tokens``, fitted by recursive least squares with forgetting.
+
+    Starts from a prior (10 ms + 20 us a token) and follows the engine as
+    steps are observed; old observations fade with ``forgetting`` per step.
+    """
+
+    def __init__(self, base_s: float = 0.01, per_token_s: float = 2e-5, forgetting: float = 0.995) -> None:
+        self.theta = [base_s, per_token_s]
+        self.p = [[1.0, 0.0], [0.0, 1e-6]]  # covariance: trust the prior a little
+        self.forgetting = forgetting
+        self.num_observed = 0
+
+    def predict(self, num_tokens: int) -> float:
+        return max(1e-4, self.theta[0] + self.theta[1] * num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        x = (1.0, float(num_tokens))
+        p, lam = self.p, self.forgetting
+        px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
+        denom = lam + x[0] * px[0] + x[1] * px[1]
+        gain = (px[0] / denom, px[1] / denom)
+        error = seconds - (self.theta[0] * x[0] + self.theta[1] * x[1])
+        self.theta = [self.theta[0] + gain[0] * error, self.theta[1] + gain[1] * error]
+        xp = (x[0] * p[0][0] + x[1] * p[1][0], x[0] * p[0][1] + x[1] * p[1][1])
+        self.p = [[(p[i][j] - gain[i] * xp[j]) / lam for j in range(2)] for i in range(2)]
+        self.num_observed += 1
+
+
+class SlackQueue:
+    """Waiting requests by latest start (targets first), batch work after, FCFS within each."""
+
+    def __init__(self, key: Callable[[Request], float]) -> None:
+        self._key = key
+        self._heap: list[tuple[float, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self._key(request), request.arrival_time, next(self._counter), request))
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def peek_request(self) -> Request:
+        return self._heap[0][3]
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)  # its key puts it back in its place
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.add_request(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        doomed = set(requests)
+        self._heap = [entry for entry in self._heap if entry[3] not in doomed]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in sorted(self._heap))
+
+
+class SLOPolicy:
+    """The ``slo`` policy (see the module docstring)."""
+
+    reads_priority = False
+    reads_slo = True  # front ends refuse per-request targets under other policies
+    accounts_service = True  # ``account`` times the steps
+
+    def __init__(self) -> None:
+        self.default_ttft_s: float | None = None
+        self.default_tpot_s: float | None = None
+        self.reject = False
+        self.token_budget = 2048
+        self.model = StepTimeModel()
+        self.clock: Callable[[], float] = time.time
+        self._last_schedule: float | None = None
+        self._last_tokens = 0
+        self._queue: SlackQueue | None = None
+
+    # ---- set-up -----------------------------------------------------------
+
+    def configure(self, config) -> None:
+        self.default_ttft_s = config.slo_ttft_s
+        self.default_tpot_s = config.slo_tpot_s
+        self.reject = config.slo_reject
+        self.token_budget = config.max_num_batched_tokens
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+
+    def make_queue(self) -> SlackQueue:
+        self._queue = SlackQueue(self.latest_start)
+        return self._queue
+
+    # ---- targets and predictions ------------------------------------------
+
+    def ttft_target(self, request: Request) -> float | None:
+        return request.slo_ttft_s if request.slo_ttft_s is not None else self.default_ttft_s
+
+    def tpot_target(self, request: Request) -> float | None:
+        return request.slo_tpot_s if request.slo_tpot_s is not None else self.default_tpot_s
+
+    def is_batch(self, request: Request) -> bool:
+        return self.ttft_target(request) is None and self.tpot_target(request) is None
+
+    def prefill_time(self, num_tokens: int) -> float:
+        """Predicted time to prefill ``num_tokens`` in full-budget steps."""
+        steps = max(1, math.ceil(num_tokens / self.token_budget))
+        return steps * self.model.predict(min(num_tokens, self.token_budget))
+
+    def latest_start(self, request: Request) -> float:
+        """When the request must start prefilling to meet its TTFT target (inf: none)."""
+        target = self.ttft_target(request)
+        if target is None:
+            return _INF
+        remaining = request.num_tokens - request.num_computed_tokens
+        return request.arrival_time + target - self.prefill_time(remaining)
+
+    # ---- the policy interface ---------------------------------------------
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        def looseness(request: Request) -> tuple[int, float, float]:
+            tpot = self.tpot_target(request)
+            return (1 if self.is_batch(request) else 0, _INF if tpot is None else tpot, request.arrival_time)
+
+        return max(running, key=looseness)
+
+    def displace(self, waiting: Request, running: list[Request]) -> Request | None:
+        if self.is_batch(waiting):
+            return None
+        for request in reversed(running):
+            if self.is_batch(request):
+                return request
+        return None
+
+    def account(self, scheduled: dict[str, int], requests: dict[str, Request],
+                running: list[Request]) -> None:
+        """Time the previous step by this call's clock; remember this step's size."""
+        now = self.clock()
+        if self._last_schedule is not None and self._last_tokens:
+            elapsed = now - self._last_schedule
+            # A gap far beyond the prediction was the engine idling, not computing.
+            if elapsed < 10 * self.model.predict(self._last_tokens) or self.model.num_observed < 3:
+                self.model.observe(self._last_tokens, elapsed)
+        self._last_schedule = now
+        self._last_tokens = sum(scheduled.values())
+
+    def check_admission(self, request: Request) -> None:
+        """With ``slo_reject``: refuse a request whose TTFT target is already out of reach."""
+        target = self.ttft_target(request)
+        if not self.reject or target is None or self._queue is None:
+            return
+        start = self.latest_start(request)
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in self._queue
+                    if self.latest_start(r) <= start)
+        predicted = self.prefill_time(ahead + request.num_tokens)
+        if predicted > target:
+            retry_after = max(1.0, math.ceil(predicted - target))
+            raise SLOUnattainable(
+                f"slo_ttft_s: a first token in {target:g} s cannot be met now "
+                f"(predicted {predicted:.2f} s behind the queue); retry in {retry_after:.0f} s",
+                retry_after)
