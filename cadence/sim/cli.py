@@ -99,10 +99,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     scheduler_cls, cache_cls, workload_cls = _config_classes()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     kwargs = options_of(args, (scheduler_cls, cache_cls))
-    for policy, names in POLICY_OPTIONS.items():
-        if policy in policies and any(kwargs.get(name) for name in names):
-            kwargs["policy"] = policy  # checked here; compare_policies gives them to that run only
+    # Each policy's own options (fair's weights, slo's targets) go to its run only.
+    per_policy = {policy: {name: kwargs.pop(name) for name in names if name in kwargs}
+                  for policy, names in POLICY_OPTIONS.items()}
+    for policy, own in per_policy.items():
+        if any(own.values()) and policy not in policies:
+            name = next(name for name, value in own.items() if value)
+            raise ValueError(f"{name}: applies to policy {policy} only, which --policy does not run")
     options = EngineOptions.from_kwargs(**kwargs)
+    policy_options = {policy: {k: v for k, v in own.items() if v is not None}
+                      for policy, own in per_policy.items()}
     if options.cache.enable_kv_cache_events:
         raise ValueError("enable_kv_cache_events: not supported yet by the simulator "
                          "(it would record events and publish none)")
@@ -116,10 +122,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save_trace:
         write_trace(args.save_trace, specs)
     cost_model = make_cost_model(args.cost_model, args.model_config)
-    results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model)
+    results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model,
+                               policy_options=policy_options)
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     # Jain's index weighs each client's service by its fair share, for every policy alike.
-    weights = _client_index_weights(options.scheduler.fair_client_weights)
+    weights = _client_index_weights(policy_options["fair"].get("fair_client_weights"))
     summaries = {policy: result.summary(slo, weights) for policy, result in results.items()}
     print(format_table(summaries))
     if args.out:

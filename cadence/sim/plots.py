@@ -3,6 +3,8 @@
     ttft_cdf.png   the CDF of time to first token
     queues.png     running and waiting requests over time
     kv_usage.png   KV-cache block usage over time
+    ttft_cdf_per_client.png   the TTFT CDF of each client under each run
+                              (only when the workload has several clients)
 """
 
 from __future__ import annotations
@@ -29,7 +31,33 @@ def write_plots(recorders: Mapping[str, MetricsRecorder], out_dir: str | Path) -
         _over_time(plt, recorders, out_dir / "queues.png", ("running", "waiting"), "requests"),
         _over_time(plt, recorders, out_dir / "kv_usage.png", ("kv_usage",), "KV blocks in use (fraction)"),
     ]
+    first = next(iter(recorders.values()), None)
+    if first is not None and len({s.client for s in first.specs}) > 1:
+        paths.append(_ttft_cdf_per_client(plt, recorders, out_dir / "ttft_cdf_per_client.png"))
     return paths
+
+
+def _ttft_cdf_per_client(plt, recorders: Mapping[str, MetricsRecorder], path: Path) -> Path:
+    """One line per (run, client), at most 8 clients (the ones with most requests)."""
+    import numpy as np
+    from collections import Counter
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, recorder in recorders.items():
+        clients = np.asarray([s.client for s in recorder.specs])
+        ttft = np.asarray(recorder.first_token) - np.asarray(recorder.arrival)
+        for client, _ in Counter(clients.tolist()).most_common(8):
+            values = np.sort(ttft[(clients == client) & ~np.isnan(ttft)])
+            if values.size:
+                ax.plot(values, np.arange(1, values.size + 1) / values.size,
+                        label=f"{label}, client {client}")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_ylabel("fraction of the client's requests")
+    ax.set_title("TTFT CDF per client")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)
 
 
 def _ttft_cdf(plt, recorders: Mapping[str, MetricsRecorder], path: Path) -> Path:

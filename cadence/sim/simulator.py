@@ -23,7 +23,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from cadence.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
 from cadence.core.sched.slo import SLOUnattainable
@@ -288,15 +288,19 @@ def compare_policies(
     cost_model: CostModel,
     *,
     prompt_maker_factory: Callable[[], PromptMaker] = PromptMaker,
+    policy_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, SimResult]:
-    """The same specs (and so the same prompts) simulated under each policy."""
+    """The same specs (and so the same prompts) simulated under each policy.
+
+    ``policy_options``: options of one policy only (fair's client weights,
+    slo's targets), given to that policy's run; every other run has none.
+    """
     results = {}
+    defaults = SchedulerConfig()
     for policy in policies:
-        # Options of one policy stay with it (fair's client weights, slo's targets).
-        defaults = SchedulerConfig()
-        others = {name: getattr(defaults, name) for owner, names in POLICY_OPTIONS.items()
-                  if owner != policy for name in names}
-        config = replace(scheduler_config, policy=policy, **others)
+        cleared = {name: getattr(defaults, name) for names in POLICY_OPTIONS.values() for name in names}
+        own = dict((policy_options or {}).get(policy, {}))
+        config = replace(scheduler_config, policy=policy, **{**cleared, **own})
         simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory())
         results[policy] = simulator.run(specs, label=policy)
     return results

@@ -88,6 +88,7 @@ def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):
     policies = json.loads((out / "summary.json").read_text())["policies"]
     fcfs, fair = policies["fcfs"]["per_client"], policies["fair"]["per_client"]
     assert fair["1"]["ttft_p90_s"] < fcfs["1"]["ttft_p90_s"] / 5
+    assert (out / "ttft_cdf_per_client.png").read_bytes()[:4] == b"\x89PNG"
     assert fair["1"]["num_requests"] == fcfs["1"]["num_requests"]
 
 
