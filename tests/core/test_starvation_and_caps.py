@@ -31,14 +31,13 @@ def test_without_chunked_prefill_the_queue_stops_at_a_prompt_that_does_not_fit()
     assert scheduled(so) == {"a": 1, "b": 20, "c": 5}
 
 
-def test_bounded_bypass_lets_short_requests_pass_for_that_many_steps_only():
+def admissions_behind_a_blocked_prompt(bypass_steps: int) -> list[str]:
     """b (30 tokens) does not fit beside three decodes; one short request arrives a step.
 
-    With max_blocked_bypass_steps=2 the shorts pass b in the first two steps it is
-    blocked; from then on the queue waits for b, however long that takes.
+    Returns the order in which requests were admitted over 20 steps.
     """
     s = new_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False,
-                      max_blocked_bypass_steps=2, num_gpu_blocks=256)
+                      max_blocked_bypass_steps=bypass_steps, num_gpu_blocks=256)
     runner = FakeRunner(block_size=s.block_size)
     for i in range(3):
         s.add_request(new_request(f"a{i}", 8, max_tokens=12))
@@ -49,25 +48,21 @@ def test_bounded_bypass_lets_short_requests_pass_for_that_many_steps_only():
         s.add_request(new_request(f"s{k}", 1, max_tokens=3))
         so, _ = step(s, runner)
         admitted += [r.req_id for r in so.scheduled_new_reqs]
-    assert admitted[:3] == ["s0", "s1", "b"]
-    assert admitted.index("b") > 0 and set(admitted) >= {"b", "s2", "s3"}
     run_until_done(s, runner)
     assert all_blocks_free(s)
+    return admitted
+
+
+def test_bounded_bypass_lets_short_requests_pass_for_that_many_steps_only():
+    """With max_blocked_bypass_steps=2 the shorts pass b in the first two steps it is
+    blocked; from then on the queue waits for b, however long that takes."""
+    admitted = admissions_behind_a_blocked_prompt(2)
+    assert admitted[:3] == ["s0", "s1", "b"]
+    assert set(admitted) >= {"b", "s2", "s3"}
 
 
 def test_without_bypass_nothing_passes_a_blocked_prompt():
-    s = new_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False, num_gpu_blocks=256)
-    runner = FakeRunner(block_size=s.block_size)
-    for i in range(3):
-        s.add_request(new_request(f"a{i}", 8, max_tokens=12))
-    step(s, runner)
-    s.add_request(new_request("b", 30, max_tokens=2))
-    admitted = []
-    for k in range(20):
-        s.add_request(new_request(f"s{k}", 1, max_tokens=3))
-        so, _ = step(s, runner)
-        admitted += [r.req_id for r in so.scheduled_new_reqs]
-    assert admitted[0] == "b"
+    assert admissions_behind_a_blocked_prompt(0)[0] == "b"
 
 
 def test_a_prompt_longer_than_the_budget_is_refused_without_chunked_prefill():

@@ -94,20 +94,21 @@ class FCFSQueue:
         return iter(self._queue)
 
 
-class PriorityQueue:
-    """A heap on (priority, arrival_time, insertion order).
+class KeyedQueue:
+    """A heap on (key(request), arrival_time, insertion order).
 
-    "Prepending" needs no special case: a preempted request keeps its key and
-    so returns to its rightful place.
+    "Prepending" needs no special case: a preempted request gets its key again
+    and so returns to its rightful place.
     """
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+    def __init__(self, key: Callable[[Request], float]) -> None:
+        self._key = key
+        self._heap: list[tuple[float, float, int, Request]] = []
         self._counter = itertools.count()
 
     def add_request(self, request: Request) -> None:
         heapq.heappush(
-            self._heap, (request.priority, request.arrival_time, next(self._counter), request)
+            self._heap, (self._key(request), request.arrival_time, next(self._counter), request)
         )
 
     def pop_request(self) -> Request:
@@ -136,6 +137,13 @@ class PriorityQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return (entry[3] for entry in sorted(self._heap))
+
+
+class PriorityQueue(KeyedQueue):
+    """Lower ``priority`` first, then arrival order."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda request: request.priority)
 
 
 class FCFSPolicy:

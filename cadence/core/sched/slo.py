@@ -23,13 +23,12 @@ A request with neither is *batch* work: it runs when nothing urgent waits.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable
 
 from cadence.core.request import Request
+from cadence.core.sched.policy import KeyedQueue
 
 _INF = float("inf")
 
@@ -71,45 +70,6 @@ class StepTimeModel:
         self.num_observed += 1
 
 
-class SlackQueue:
-    """Waiting requests by latest start (targets first), batch work after, FCFS within each."""
-
-    def __init__(self, key: Callable[[Request], float]) -> None:
-        self._key = key
-        self._heap: list[tuple[float, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._key(request), request.arrival_time, next(self._counter), request))
-
-    def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def peek_request(self) -> Request:
-        return self._heap[0][3]
-
-    def prepend_request(self, request: Request) -> None:
-        self.add_request(request)  # its key puts it back in its place
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            self.add_request(request)
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        doomed = set(requests)
-        self._heap = [entry for entry in self._heap if entry[3] not in doomed]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
-
-
 class SLOPolicy:
     """The ``slo`` policy (see the module docstring)."""
 
@@ -126,7 +86,7 @@ class SLOPolicy:
         self.clock: Callable[[], float] = time.time
         self._last_schedule: float | None = None
         self._last_tokens = 0
-        self._queue: SlackQueue | None = None
+        self._queue: KeyedQueue | None = None
 
     # ---- set-up -----------------------------------------------------------
 
@@ -139,8 +99,9 @@ class SLOPolicy:
     def set_clock(self, clock: Callable[[], float]) -> None:
         self.clock = clock
 
-    def make_queue(self) -> SlackQueue:
-        self._queue = SlackQueue(self.latest_start)
+    def make_queue(self) -> KeyedQueue:
+        # Latest start first (targets before batch work, inf), then arrival order.
+        self._queue = KeyedQueue(self.latest_start)
         return self._queue
 
     # ---- targets and predictions ------------------------------------------
