@@ -133,9 +133,9 @@ def test_partial_prefill_options_are_checked():
 # ---------------------------------------------------------------- every request finishes
 
 
-@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    policy=st.sampled_from(["fcfs", "priority", "fair"]),
+    policy=st.sampled_from(["fcfs", "priority", "fair", "slo"]),
     chunked=st.booleans(),
     caps=st.sampled_from([None, (1, 1), (2, 1), (3, 2)]),
     bypass=st.sampled_from([0, 3]),
@@ -161,6 +161,8 @@ def test_every_request_finishes_under_random_arrivals(policy, chunked, caps, byp
             request = new_request(f"r{i}", length, max_tokens=max_tokens, priority=priority,
                                   arrival_time=float(step_index))
             request.tenant = f"t{i % 3}"  # three clients, for the fair policy
+            if i % 2:  # half with latency targets, for the slo policy
+                request.slo_ttft_s, request.slo_tpot_s = 0.05 * (1 + priority), 0.01
             prompts[request.request_id] = (request.prompt_token_ids, max_tokens)
             s.add_request(request)
         if not pending and not s.has_requests():
