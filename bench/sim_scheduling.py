@@ -15,7 +15,14 @@ baseline on the same trace:
   (``long_prefill_token_threshold`` 512, ``max_num_partial_prefills`` 4,
   ``max_long_partial_prefills`` 1). Figure: p99 TTFT of the chat requests.
 
-    python bench/sim_scheduling.py            # ~1 minute
+    python bench/sim_scheduling.py            # ~20 seconds
+    python bench/sim_scheduling.py --cpu-calibration bench/results/cpu_calibrated.json
+
+With ``--cpu-calibration`` (a model from ``cadence simulate calibrate``, the
+default SmolLM2 on this CPU) the same scenarios run at the CPU's scale:
+prompts ~128 and outputs ~64 tokens, a 512-token budget, rates scaled to
+its capacity (~2.8 req/s), and a long prompt of 8,000 tokens (the model's
+context is 8,192).
 """
 
 from __future__ import annotations
@@ -45,13 +52,27 @@ class PriorityWithoutDisplacement(PriorityPolicy):
 register_policy("priority-no-displace")(PriorityWithoutDisplacement)
 
 
+# Each profile's scale: lengths, budgets, rates (a fraction of its capacity) and the long prompt.
+H100_SCALE = dict(prompt="lognormal:512:1.0", output="lognormal:128:1.0", chat_prompt="lognormal:256:0.5",
+                  chat_output="lognormal:128:0.5", budget=8192, priority_rate=45.0, chat_rate=20.0,
+                  long_prompt=32768, max_model_len=40000, threshold=512, num_requests=3000)
+CPU_SCALE = dict(prompt="lognormal:128:1.0", output="lognormal:64:1.0", chat_prompt="lognormal:64:0.5",
+                 chat_output="lognormal:32:0.5", budget=512, priority_rate=3.6, chat_rate=1.7,
+                 long_prompt=8000, max_model_len=8192, threshold=128, num_requests=1200)
+SCALE = dict(H100_SCALE)
+COST_MODEL = {"model": None}
+
+
 def cost_model():
+    if COST_MODEL["model"] is not None:
+        return COST_MODEL["model"]
     return RooflineCostModel(PROFILES["h100"], ModelShape.from_hf_config(LLAMA_3_8B))
 
 
 def simulate(specs, config: SchedulerConfig, policy: str):
     config = dataclasses.replace(config, policy="priority") if policy.startswith("priority") else config
-    simulator = Simulator(config, CacheConfig(block_size=16), cost_model())
+    blocks = getattr(cost_model(), "kv_blocks", None)
+    simulator = Simulator(config, CacheConfig(block_size=16, num_gpu_blocks=blocks), cost_model())
     if policy == "priority-no-displace":
         simulator.scheduler._displace = None  # the hook the scheduler calls at max_num_seqs
     return simulator.run(specs, label=policy).summary()
@@ -62,10 +83,11 @@ def ttft_p99(summary, key, group):
 
 
 def priority_scenario(seed: int) -> dict:
-    specs = SyntheticWorkload(num_requests=3000, rate=45.0, prompt_len="lognormal:512:1.0",
-                              output_len="lognormal:128:1.0", priorities="0,1,1,1,1", seed=seed).generate()
-    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=8192,
-                             policy="priority")
+    specs = SyntheticWorkload(num_requests=SCALE["num_requests"], rate=SCALE["priority_rate"],
+                              prompt_len=SCALE["prompt"], output_len=SCALE["output"],
+                              priorities="0,1,1,1,1", seed=seed).generate()
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=SCALE["budget"],
+                             max_model_len=8192, policy="priority")
     before = simulate(specs, config, "priority-no-displace")
     after = simulate(specs, config, "priority")
     return {
@@ -80,13 +102,16 @@ def priority_scenario(seed: int) -> dict:
 
 
 def long_prompt_scenario(seed: int) -> dict:
-    chat = SyntheticWorkload(num_requests=1200, rate=20.0, prompt_len="lognormal:256:0.5",
-                             output_len="lognormal:128:0.5", max_len=2048, seed=seed).generate()
-    long_prompt = RequestSpec(arrival_time=10.0, prompt_tokens=32768, output_tokens=16, client=1)
+    chat = SyntheticWorkload(num_requests=1200, rate=SCALE["chat_rate"], prompt_len=SCALE["chat_prompt"],
+                             output_len=SCALE["chat_output"], max_len=2048, seed=seed).generate()
+    arrival = chat[len(chat) // 10].arrival_time  # a tenth of the way in
+    long_prompt = RequestSpec(arrival_time=arrival, prompt_tokens=SCALE["long_prompt"], output_tokens=16,
+                              client=1)
     with_long = sorted([*chat, long_prompt], key=lambda s: s.arrival_time)
-    base = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=40000)
-    capped = dataclasses.replace(base, long_prefill_token_threshold=512, max_num_partial_prefills=4,
-                                 max_long_partial_prefills=1)
+    base = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=SCALE["budget"],
+                           max_model_len=SCALE["max_model_len"])
+    capped = dataclasses.replace(base, long_prefill_token_threshold=SCALE["threshold"],
+                                 max_num_partial_prefills=4, max_long_partial_prefills=1)
     runs = {"without long prompt": simulate(chat, base, "fcfs"),
             "with it, no caps": simulate(with_long, base, "fcfs"),
             "with it, caps": simulate(with_long, capped, "fcfs")}
@@ -100,7 +125,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--cpu-calibration", metavar="PATH",
+                        help="run at the CPU's scale on this calibrated cost model")
     args = parser.parse_args()
+    if args.cpu_calibration:
+        from cadence.sim.cost_model import CalibratedCostModel
+
+        COST_MODEL["model"] = CalibratedCostModel.load(args.cpu_calibration)
+        SCALE.update(CPU_SCALE)
     results = {"priority": {}, "long-prompt": {}}
     for seed in range(args.seeds):
         results["priority"][seed] = priority_scenario(seed)

@@ -20,6 +20,8 @@ token); goodput counts only requests meeting both SLOs.
 
 from __future__ import annotations
 
+import math
+
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -28,7 +30,8 @@ from cadence.core.outputs import EngineCoreOutputs
 from cadence.sim.workload import RequestSpec
 
 PERCENTILES = (50, 90, 95, 99)
-SERVICE_WINDOW_S = 1.0  # the windows Jain's fairness index is taken over
+SERVICE_WINDOW_S = 1.0  # the service buckets Jain's fairness index is built from
+STEPS_PER_JAIN_WINDOW = 20  # a window holds at least this many steps (slow engines: longer windows)
 
 
 @dataclass
@@ -129,7 +132,9 @@ def distribution(values: Iterable[float]) -> dict[str, float | int]:
 def jain_index(recorder: MetricsRecorder, client_weights: dict[int, float] | None = None) -> float | None:
     """Jain's index of weighted service over backlogged clients, averaged over windows.
 
-    In each ``SERVICE_WINDOW_S`` window, the clients with a request waiting
+    A window is ``SERVICE_WINDOW_S`` long, or ``STEPS_PER_JAIN_WINDOW``
+    median steps where steps are slower (one step's prompt tokens would
+    otherwise decide a window). In each, the clients with a request waiting
     for its first token at some point of it are backlogged; with two or more,
     ``J = (sum x)^2 / (n * sum x^2)`` of their tokens served in it divided by
     their weights (1 = perfectly fair shares, 1/n = one client takes all).
@@ -138,14 +143,22 @@ def jain_index(recorder: MetricsRecorder, client_weights: dict[int, float] | Non
     import numpy as np
 
     weights = client_weights or {}
+    steps = np.diff(np.asarray(recorder.timeline.time))
+    median_step = float(np.median(steps)) if steps.size else 0.0
+    span = max(1, math.ceil(STEPS_PER_JAIN_WINDOW * median_step / SERVICE_WINDOW_S))
+    windows: dict[int, dict[int, int]] = {}
+    for bucket, served in recorder.service.items():
+        window = windows.setdefault(bucket // span, {})
+        for client, tokens in served.items():
+            window[client] = window.get(client, 0) + tokens
     arrival = np.asarray(recorder.arrival)
     first = np.asarray(recorder.first_token)
     first = np.where(np.isnan(first), np.inf, first)
     clients = np.asarray([s.client for s in recorder.specs])
     served_mask = ~np.asarray(recorder.rejected, dtype=bool)
     indices = []
-    for window, served in recorder.service.items():
-        start, end = window * SERVICE_WINDOW_S, (window + 1) * SERVICE_WINDOW_S
+    for window, served in windows.items():
+        start, end = window * span * SERVICE_WINDOW_S, (window + 1) * span * SERVICE_WINDOW_S
         waiting = served_mask & (arrival < end) & (first > start)
         backlogged = set(np.unique(clients[waiting]).tolist())
         if len(backlogged) < 2:
