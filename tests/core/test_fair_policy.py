@@ -86,7 +86,32 @@ def test_the_victim_is_from_the_most_served_client():
     a1, a2, b1 = (tenant_request(r, t) for r, t in (("a1", "A"), ("a2", "A"), ("b1", "B")))
     policy.counters.counters.update({"A": 50.0, "B": 10.0})
     assert policy.pick_victim([a1, b1, a2]) is a2  # A's, the latest admitted
+    # With every slot taken, B may displace A's request while it is still prefilling
+    # (little work lost), never one that is already decoding, never a less-served one.
+    assert policy.displace(b1, [a1]) is a1
+    a1.num_computed_tokens = a1.num_prompt_tokens
     assert policy.displace(b1, [a1]) is None
+    assert policy.displace(a2, [b1]) is None
+
+
+def test_a_step_that_admits_an_under_served_client_carries_no_other_prompt():
+    """B (active, less served) sends while A's long prompts prefill: the next step is
+    B's prompt and the running decodes only, so its first token comes after a short step."""
+    s = new_scheduler(policy="fair", max_num_batched_tokens=64, num_gpu_blocks=256)
+    runner = FakeRunner(block_size=s.block_size)
+    s.add_request(tenant_request("b-chat", "B", prompt=4, max_tokens=40))
+    for i in range(3):
+        s.add_request(tenant_request(f"a{i}", "A", prompt=200, max_tokens=4))
+    for _ in range(3):
+        step(s, runner)  # A's prompts fill every step beside B's one decode
+    assert s.policy.counters.get("B") < s.policy.counters.get("A")
+    s.add_request(tenant_request("b0", "B", prompt=8, max_tokens=2))
+    so, _ = step(s, runner)
+    assert so.num_scheduled_tokens == {"b-chat": 1, "b0": 8}  # A's chunks wait one step
+    so, _ = step(s, runner)
+    assert so.num_scheduled_tokens["b0"] == 1 and sum(so.num_scheduled_tokens.values()) == 64
+    run_until_done(s, runner)
+    assert all_blocks_free(s)
 
 
 def test_idle_counters_stay_bounded(monkeypatch):

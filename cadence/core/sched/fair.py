@@ -187,6 +187,7 @@ class FairPolicy:
                  input_weight: float = 1.0, output_weight: float = 2.0) -> None:
         self.counters = ServiceCounters(input_weight, output_weight, client_weights)
         self._queue: FairQueue | None = None
+        self._favoured: tuple[str | None, float] | None = None  # see begin_step
 
     def configure(self, config) -> None:
         """Client weights from ``SchedulerConfig.fair_client_weights``."""
@@ -202,7 +203,39 @@ class FairPolicy:
         return max(reversed(running), key=lambda r: get(r.tenant))
 
     def displace(self, waiting: Request, running: list[Request]) -> Request | None:
-        return None
+        """With every slot taken: a request of a more-served client that is still
+        prefilling (the one with the least prompt computed: the least work lost)."""
+        get = self.counters.get
+        own = get(waiting.tenant)
+        candidates = [r for r in running
+                      if r.num_computed_tokens < r.num_prompt_tokens and get(r.tenant) > own]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+
+    def begin_step(self, running: list[Request]) -> None:
+        """Pick the client this step favours: the front of the queue, when some
+        running prompt belongs to a more-served client (else none)."""
+        self._favoured = None
+        if self._queue is None or not self._queue:
+            return
+        front = self._queue._front_client()
+        get = self.counters.get
+        floor = get(front)
+        if any(r.num_computed_tokens < r.num_prompt_tokens and get(r.tenant) > floor for r in running):
+            self._favoured = (front, floor)
+
+    def defers_prefill(self, request: Request) -> bool:
+        """Whether ``request``'s prompt (running chunk or admission) waits this step.
+
+        A step that favours an under-served client carries that client's
+        prompt and the running decodes only: a short step, so its first token
+        is not held up by a step full of other clients' prompts.
+        """
+        favoured = self._favoured
+        if favoured is None or request.tenant == favoured[0]:
+            return False
+        return self.counters.get(request.tenant) > favoured[1]
 
     def service_stats(self) -> dict[str, int]:
         """Tokens served per client, at most ``MAX_REPORTED_CLIENTS`` names."""

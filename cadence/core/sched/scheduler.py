@@ -115,6 +115,8 @@ class Scheduler(SchedulerInterface):
         self._displace = getattr(self.policy, "displace", None)
         self._accounts_service = getattr(self.policy, "accounts_service", False)
         self._service_stats = getattr(self.policy, "service_stats", None)
+        self._defers_prefill = getattr(self.policy, "defers_prefill", None)
+        self._begin_step = getattr(self.policy, "begin_step", None)
         # Shared with the lifecycle and the absorber: changed in place, never rebound.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
@@ -165,6 +167,8 @@ class Scheduler(SchedulerInterface):
 
     def schedule(self) -> SchedulerOutput:
         self.lifecycle.apply_cancellations()
+        if self._begin_step is not None:
+            self._begin_step(self.running)
         plan = StepPlan(self.max_num_scheduled_tokens, self.config)
         if self.lora_config is not None:
             # Count every running request's adapter, scheduled this step or not,
@@ -187,6 +191,7 @@ class Scheduler(SchedulerInterface):
         schedule_running = plan.schedule_running
         order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
         caps = plan.prefill_caps
+        defers = self._defers_prefill
         for request in order:
             budget = plan.token_budget
             if budget <= 0:
@@ -195,6 +200,9 @@ class Scheduler(SchedulerInterface):
                 continue  # preempted earlier in this loop
             if caps is not None and not caps.admits(request):
                 continue  # its prompt waits for a prefill slot
+            if defers is not None and request.num_computed_tokens < request.num_prompt_tokens \
+                    and defers(request):
+                continue  # the policy gives this step to a waiting request's prompt
             # Catch up with the known tokens (+ drafts, + async placeholders).
             num_computed = request.num_computed_tokens
             num_new = (
@@ -310,6 +318,8 @@ class Scheduler(SchedulerInterface):
                 # A request that already holds its KV (async load done) must not be
                 # locked out by its own blocks; with nothing running, anyone may start.
                 break
+            if self._defers_prefill is not None and self._defers_prefill(request):
+                break  # this step is kept short for the client the policy favours
             if caps is not None and not caps.admits(request):
                 if caps.full:
                     break
