@@ -47,10 +47,7 @@ def _ttft_cdf_per_client(plt, recorders: Mapping[str, MetricsRecorder], path: Pa
         clients = np.asarray([s.client for s in recorder.specs])
         ttft = np.asarray(recorder.first_token) - np.asarray(recorder.arrival)
         for client, _ in Counter(clients.tolist()).most_common(8):
-            values = np.sort(ttft[(clients == client) & ~np.isnan(ttft)])
-            if values.size:
-                ax.plot(values, np.arange(1, values.size + 1) / values.size,
-                        label=f"{label}, client {client}")
+            _plot_cdf(ax, ttft[clients == client], f"{label}, client {client}")
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (s, log scale)")
     ax.set_ylabel("fraction of the client's requests")
@@ -65,16 +62,22 @@ def _ttft_cdf(plt, recorders: Mapping[str, MetricsRecorder], path: Path) -> Path
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, recorder in recorders.items():
-        ttft = np.asarray(recorder.first_token) - np.asarray(recorder.arrival)
-        ttft = np.sort(ttft[~np.isnan(ttft)])
-        if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label)
+        _plot_cdf(ax, np.asarray(recorder.first_token) - np.asarray(recorder.arrival), label)
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(plt, fig, path)
+
+
+def _plot_cdf(ax, values, label: str) -> None:
+    """The empirical CDF of ``values`` (NaN: never got a first token, left out)."""
+    import numpy as np
+
+    values = np.sort(values[~np.isnan(values)])
+    if values.size:
+        ax.plot(values, np.arange(1, values.size + 1) / values.size, label=label)
 
 
 def _over_time(plt, recorders: Mapping[str, MetricsRecorder], path: Path, series: tuple[str, ...],

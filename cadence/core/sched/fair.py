@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 
 from cadence.config import parse_client_weights
 from cadence.core.request import Request
+from cadence.core.sched.prefill_caps import is_prefilling
 
 # Shift all counters down once the smallest active one passes this.
 _RENORMALISE_AT = 1e12
@@ -208,7 +209,7 @@ class FairPolicy:
         get = self.counters.get
         own = get(waiting.tenant)
         candidates = [r for r in running
-                      if r.num_computed_tokens < r.num_prompt_tokens and get(r.tenant) > own]
+                      if is_prefilling(r) and get(r.tenant) > own]
         if not candidates:
             return None
         return min(candidates, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
@@ -222,7 +223,7 @@ class FairPolicy:
         front = self._queue._front_client()
         get = self.counters.get
         floor = get(front)
-        if any(r.num_computed_tokens < r.num_prompt_tokens and get(r.tenant) > floor for r in running):
+        if any(is_prefilling(r) and get(r.tenant) > floor for r in running):
             self._favoured = (front, floor)
 
     def defers_prefill(self, request: Request) -> bool:

@@ -44,6 +44,7 @@ from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.lifecycle import RequestLifecycle
 from cadence.core.sched.lora import LoRABatchLimit
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from cadence.core.sched.prefill_caps import is_prefilling
 from cadence.core.sched.policy import make_policy
 from cadence.core.sched.step import StepPlan
 
@@ -200,8 +201,7 @@ class Scheduler(SchedulerInterface):
                 continue  # preempted earlier in this loop
             if caps is not None and not caps.admits(request):
                 continue  # its prompt waits for a prefill slot
-            if defers is not None and request.num_computed_tokens < request.num_prompt_tokens \
-                    and defers(request):
+            if defers is not None and is_prefilling(request) and defers(request):
                 continue  # the policy gives this step to a waiting request's prompt
             # Catch up with the known tokens (+ drafts, + async placeholders).
             num_computed = request.num_computed_tokens
