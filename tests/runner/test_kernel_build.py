@@ -65,6 +65,10 @@ def test_rejects_tensors_it_cannot_read():
 
 def test_the_cpu_runner_uses_it():
     _needs_compiler()
+    from cadence import cpu_features
+
+    if not cpu_features.detect().allows("native"):
+        pytest.skip("C kernels hidden (CADENCE_HIDE_CPU_FEATURES=native): the runner rightly skips them")
     from cadence.runner.cpu_paths import choose_cpu_paths
 
     assert choose_cpu_paths(torch.float32).attention_kernel is not None
