@@ -256,6 +256,7 @@ class LoRAConfig:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
 
 @dataclass(frozen=True)
@@ -276,8 +277,16 @@ class EngineConfig:
         False, "Never capture CUDA graphs: every GPU step runs eagerly (the CPU always does)."
     )
     seed: int = option(0, "Seed of the sampler's default generator.")
+    structured_outputs_backend: str = option(
+        "llguidance", "Grammar engine of structured outputs (JSON schema, regex, choice, "
+        "grammar): llguidance, or xgrammar when installed."
+    )
 
     def __post_init__(self) -> None:
+        _require(self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
+                 "structured_outputs_backend",
+                 f"must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                 f"got {self.structured_outputs_backend!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                  "device", f"must be cpu, cuda[:N] or auto, got {self.device!r}")

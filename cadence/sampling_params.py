@@ -7,6 +7,7 @@ field's name, so the server can answer HTTP 400 naming it.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,24 +25,51 @@ MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
 
 @dataclass(frozen=True)
 class StructuredOutputParams:
-    """Constrain the output to a JSON schema, a regex, a choice or a grammar.
+    """Constrain the output to a JSON schema, any JSON object, a regex, a
+    choice of strings or a grammar (Lark, or GBNF/EBNF when it uses ``::=``).
 
-    Exactly one of the fields must be set.
+    Exactly one of the fields must be set (vLLM's names). A schema given as a
+    dict is kept as its JSON text, and choices as a tuple, so the params stay
+    hashable; a grammar backend checks the content itself. An object schema
+    with ``properties`` and no ``additionalProperties`` allows no other keys
+    (OpenAI's strict mode, xgrammar's default).
     """
 
     json: str | dict | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        num_set = sum(x is not None for x in (self.json, self.regex, self.choice, self.grammar))
-        if num_set != 1:
-            raise ValueError(
-                "structured_outputs: exactly one of json, regex, choice, grammar must be set"
-            )
-        if self.choice is not None and not self.choice:
-            raise ValueError("structured_outputs.choice: must not be empty")
+        kinds = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, "
+                             f"json_object must be set, got {kinds or 'none'}")
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json))  # keeps property order
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError("structured_outputs.json: must be a JSON schema (an object or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice: must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice:
+                raise ValueError("structured_outputs.choice: must not be empty")
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object: must be true or false")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: json, regex, choice, grammar or json_object."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -84,6 +112,10 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(STRUCTURED_KINDS)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)} "
+                                 f"(known: {', '.join(STRUCTURED_KINDS)})")
             object.__setattr__(
                 self, "structured_outputs", StructuredOutputParams(**self.structured_outputs)
             )

@@ -22,7 +22,8 @@ ALLOWED = {
     "kernels": BASE | {"kernels"},
     "models": BASE | {"models", "kernels"},
     "runner": BASE | {"runner", "core", "models", "kernels"},
-    "engine": BASE | {"engine", "core", "models", "runner"},
+    "structured": BASE | {"structured", "models"},
+    "engine": BASE | {"engine", "core", "models", "runner", "structured"},
     "sim": BASE | {"sim", "core", "engine"},
     "server": BASE | {"server", "core", "engine", "models"},
 }

@@ -42,6 +42,7 @@ from cadence.engine.wire import (
 )
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
+from cadence.structured import GrammarBackendBase, make_grammar_backend
 
 logger = logging.getLogger("cadence.async_llm")
 
@@ -209,6 +210,8 @@ class AsyncLLM:
                  max_num_queued_requests: int | None = None) -> None:
         self._folder, self.input_address, self.output_address = new_ipc_addresses()
         self._slo_defaults: tuple[float | None, float | None] = (None, None)  # see start
+        self._grammar_backend_name = "llguidance"  # see start
+        self._grammars: GrammarBackendBase | None = None  # checks grammars before they are sent
         # Sends go through a plain socket: a PUSH with no high-water mark never
         # blocks, so a handler or the output loop can send without awaiting.
         self._send_ctx = zmq.Context()
@@ -245,6 +248,7 @@ class AsyncLLM:
         """Spawn the engine process, load the tokenizer alone (off the loop, while the
         engine builds; the weights live in the engine process) and wait for the handshake."""
         scheduler = options.scheduler
+        self._grammar_backend_name = options.engine.structured_outputs_backend
         if scheduler.policy == "slo":
             self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
         process = start_engine_process(options, self.input_address, self.output_address,
@@ -268,6 +272,7 @@ class AsyncLLM:
             if await self._output.poll(200):
                 self._dispatch(await self._output.recv_multipart())
         self._output_task = asyncio.create_task(self._output_loop(), name="cadence-engine-outputs")
+        self._grammars = make_grammar_backend(self._grammar_backend_name, tokenizer, self.info.vocab_size)
         return self.info
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -332,6 +337,7 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         check_priority(priority)
+        self.check_structured_outputs(params)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
                                self.info.max_model_len, priority=priority, user=user,
                                slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
@@ -345,6 +351,13 @@ class AsyncLLM:
             self._release(request_id)
             raise
         return RequestStream(self, request_id, queue)
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Raise ValueError (HTTP 400) naming what in ``params.structured_outputs``
+        cannot compile. Compiling may take a while for a large schema: a server
+        calls this in a worker thread first; ``add_request`` then hits the cache."""
+        if params.structured_outputs is not None and self._grammars is not None:
+            self._grammars.check(params.structured_outputs)
 
     def check_can_ever_admit(self, num_seqs: int) -> None:
         """Refuse (ValueError, HTTP 400) what no wait would let in: more sequences

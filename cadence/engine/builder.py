@@ -15,6 +15,7 @@ import torch
 
 from cadence.config import EngineOptions, parse_memory
 from cadence.core.sched.scheduler import Scheduler
+from cadence.core.sched.structured_output import StructuredOutputManager
 from cadence.engine.core import EngineCore
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
@@ -23,6 +24,7 @@ from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
 from cadence.runner.model_runner import ModelRunner
+from cadence.structured import GrammarBackendBase, make_grammar_backend
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, or a quarter of free memory if less
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -37,6 +39,7 @@ class Engine:
     model_config: ModelConfig
     options: EngineOptions
     max_model_len: int
+    grammar_backend: GrammarBackendBase | None = None  # None: no tokenizer, no grammars
 
 
 def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
@@ -96,8 +99,14 @@ def assemble_engine(
         f"({str(dtype).removeprefix('torch.')}, {device})",
         file=log,
     )
+    grammar_backend = None
+    if tokenizer is not None:
+        grammar_backend = make_grammar_backend(
+            engine_config.structured_outputs_backend, tokenizer, model_config.vocab_size)
     scheduler = Scheduler(
-        scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True
+        scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True,
+        structured_output_manager=(StructuredOutputManager(grammar_backend)
+                                   if grammar_backend is not None else None),
     )
     if runner is None:
         runner = ModelRunner(
@@ -114,7 +123,7 @@ def assemble_engine(
                                   cache=cache_config)
     # Last: the publisher binds its socket (None when KV cache events are off).
     core = EngineCore(scheduler, runner, event_publisher=publisher_for(cache_config))
-    return Engine(core, tokenizer, model_config, options, max_model_len)
+    return Engine(core, tokenizer, model_config, options, max_model_len, grammar_backend)
 
 
 def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, log):

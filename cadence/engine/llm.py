@@ -92,6 +92,8 @@ class LLM:
     def _make_requests(self, prompts, params_list, users):
         requests = []
         for prompt, params, user in zip(prompts, params_list, users):
+            if params.structured_outputs is not None and self.engine.grammar_backend is not None:
+                self.engine.grammar_backend.check(params.structured_outputs)
             text, token_ids = prompt_token_ids(prompt, self.tokenizer)
             request = make_request(
                 str(next(self._ids)), token_ids, params, self.tokenizer, self.engine.max_model_len,

@@ -49,6 +49,13 @@ class RequestState:
         """Whether EOS and stop tokens must not be sampled yet (min_tokens)."""
         return len(self.output_token_ids) < self.sampling_params.min_tokens
 
+    def stop_ids(self) -> list[int]:
+        """The token ids that end this request: its stop ids and EOS."""
+        stop_ids = list(self.sampling_params.stop_token_ids)
+        if self.eos_token_id is not None:
+            stop_ids.append(self.eos_token_id)
+        return stop_ids
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

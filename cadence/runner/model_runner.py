@@ -30,6 +30,7 @@ from cadence.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.kernels.triton_fused_ops import TritonFusedOps
 from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
+from cadence.runner.grammar_mask import apply_grammar_bitmask, grammar_rows, revive_dead_rows
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
@@ -193,7 +194,7 @@ class ModelRunner:
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(step)  # [T, hidden], [N]
-            sampled, logprobs = self._sample(step, hidden, logits_indices, spec_tokens)
+            sampled, logprobs = self._sample(step, hidden, logits_indices, scheduler_output)
             prompt_logprobs = self._prompt_logprobs(step, hidden)
         for row, token_ids in zip(step.rows, sampled):
             if token_ids:
@@ -320,13 +321,15 @@ class ModelRunner:
 
     def _sample(
         self, step: StepInputs, hidden: torch.Tensor, logits_indices: torch.Tensor,
-        spec_tokens: dict[str, list[int]],
+        scheduler_output: SchedulerOutput,
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Tokens per scheduled request ([] for a mid-prompt chunk), and their logprobs.
 
         Logits rows come in groups, one per sampling request: 1 + its number
-        of drafts, row j being the target's choice after drafts[:j].
+        of drafts, row j being the target's choice after drafts[:j]. The
+        grammar bitmask, if any, applies first.
         """
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         seqs = np.flatnonzero(step.does_sample).tolist()
         if not seqs:
@@ -335,10 +338,15 @@ class ModelRunner:
         drafts = [spec_tokens.get(step.req_ids[s], []) for s in seqs]
         states = [self.input_batch.states[step.rows[s]] for s in seqs]
         metadata = self._sampling_metadata(states, drafts)
+        group_sizes = [1 + len(d) for d in drafts]
+        if scheduler_output.grammar_bitmask is not None:
+            grammar_rows = _apply_grammar(logits, scheduler_output, [step.req_ids[s] for s in seqs],
+                                          states, group_sizes)
         _suppress_stops_before_min_tokens(logits, states, drafts)
+        if scheduler_output.grammar_bitmask is not None:
+            revive_dead_rows(logits, *grammar_rows)
         output = self.sampler.sample(logits, metadata)  # [N] tokens
         token_ids = output.sampled_token_ids.tolist()
-        group_sizes = [1 + len(d) for d in drafts]
         first_rows = [0] + list(itertools.accumulate(group_sizes))[:-1]
         for s, seq_drafts, first in zip(seqs, drafts, first_rows):
             sampled[s] = accept_drafts(seq_drafts, token_ids[first : first + 1 + len(seq_drafts)])
@@ -458,6 +466,19 @@ def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:
     )
 
 
+def _apply_grammar(
+    logits: torch.Tensor, scheduler_output: SchedulerOutput, req_ids: list[str],
+    states: list[RequestState], group_sizes: list[int],
+) -> tuple[list[int], torch.Tensor | None, list[list[int]]]:
+    """Mask the structured requests' logits rows; returns what ``revive_dead_rows`` needs."""
+    first_mask_row = scheduler_output.structured_output_request_ids
+    logits_rows, mask_rows = grammar_rows(req_ids, group_sizes, first_mask_row)
+    allowed = apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, logits_rows, mask_rows)
+    stop_ids = [state.stop_ids() for req_id, state, count in zip(req_ids, states, group_sizes)
+                if req_id in first_mask_row for _ in range(count)]
+    return logits_rows, allowed, stop_ids
+
+
 def _suppress_stops_before_min_tokens(
     logits: torch.Tensor, states: list[RequestState], drafts: list[list[int]]
 ) -> None:
@@ -469,9 +490,7 @@ def _suppress_stops_before_min_tokens(
     for state, seq_drafts in zip(states, drafts):
         num_rows = 1 + len(seq_drafts)
         if state.min_tokens_pending:
-            stop_ids = list(state.sampling_params.stop_token_ids)
-            if state.eos_token_id is not None:
-                stop_ids.append(state.eos_token_id)
+            stop_ids = state.stop_ids()
             if stop_ids:
                 logits[row:row + num_rows, stop_ids] = float("-inf")
         row += num_rows

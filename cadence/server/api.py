@@ -61,7 +61,8 @@ class ServerState:
         self.metrics = PrometheusStatLogger(self.model_name)
         self.llm = AsyncLLM(stat_logger=self.metrics,
                             max_num_queued_requests=config.max_num_queued_requests)
-        self.serving = OpenAIServing(self.llm, self.model_name, max_n=config.max_n)
+        self.serving = OpenAIServing(self.llm, self.model_name, max_n=config.max_n,
+                                     tool_call_parser=config.tool_call_parser)
         self.gate = RequestGate()
         self.created = int(time.time())
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from cadence.config import _require, option
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+TOOL_CALL_PARSERS = ("hermes",)  # cadence.server.tool_calls.AUTO_TOOL_PARSERS
 API_KEY_ENV = "CADENCE_API_KEY"
 
 
@@ -24,6 +25,10 @@ class ServerConfig:
               "further requests get HTTP 429.")
     # 16: each of n samples costs a full generation; n 1000 held the engine for 83 s.
     max_n: int = option(16, "Most completions (n) one request may ask for; more get HTTP 400.")
+    tool_call_parser: str = option(
+        "hermes", "How tool calls are read from the model's text under tool_choice \"auto\": "
+                  "hermes (<tool_call>{json}</tool_call>, the format of Hermes, Qwen and "
+                  "SmolLM-style templates).")
     access_log: bool = option(False, "Log every HTTP request.")
     log_level: str = option("info", "Server log level: critical, error, warning, info, debug.")
     # Not option(): repr=False keeps the key out of logs and tracebacks.
@@ -49,6 +54,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, "port", "must be in [0, 65536)")
         _require(self.max_num_queued_requests >= 0, "max_num_queued_requests", "must be >= 0")
+        _require(self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
+                 f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _require(self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")

@@ -5,8 +5,9 @@ Pydantic checks types; ``SamplingParams`` checks values and raises
 ``"param": field``. Unknown fields are ignored, as OpenAI's server does;
 vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
 Fields OpenAI or vLLM define that change the answer but cadence does not
-implement yet (``logit_bias``, tool calls, guided decoding, ...) are refused
-with a 400 when set, never silently dropped.
+implement yet (``logit_bias``, beam search, ...) are refused with a 400 when
+set, never silently dropped. Structured outputs come from
+``constraints.py``, tool calls from ``tool_calls.py``.
 
 Values no encoder downstream can take are refused here too, naming the
 field: a lone surrogate (JSON may escape one, ``"\\ud800"``; the tokenizer,
@@ -22,7 +23,9 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, StructuredOutputParams
+from cadence.server.constraints import requested_constraint
+from cadence.server.tool_calls import check_tools, forced_call_constraint
 
 MAX_LOGPROBS = 20
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -35,6 +38,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -43,9 +51,8 @@ class StreamOptions(BaseModel):
 # request giving another value is refused). None stands for "absent or null".
 _NOT_YET_SUPPORTED: dict[str, Any] = {
     "logit_bias": None, "prediction": None, "audio": None, "web_search_options": None,
-    "functions": None, "function_call": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "guided_decoding_backend": None, "structured_outputs": None,
+    "functions": None, "function_call": None, "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
     "use_beam_search": False, "length_penalty": None, "bad_words": None,
     "allowed_token_ids": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
@@ -127,8 +134,20 @@ class _Sampling(BaseModel):
     # Latency targets for --policy slo (seconds); None: the server's defaults.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # Structured outputs (constraints.py): OpenAI's field, vLLM's, vLLM's older ones.
+    response_format: ResponseFormat | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> tuple[str, StructuredOutputParams] | None:
+        """(the field it came from, the output constraint) of this request, if any."""
+        return requested_constraint(self)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         structured: StructuredOutputParams | None = None) -> SamplingParams:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         if self.stream_options is not None and not self.stream:
@@ -139,6 +158,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -170,7 +190,9 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: not supported (use n)")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        constraint = self.constraint()
+        return self._sampling_params(self.max_tokens, self.logprobs,
+                                     constraint[1] if constraint else None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch: strings or token-id lists."""
@@ -190,11 +212,28 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"  # OpenAI sends JSON text
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant turn made (shown to the model again)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ...
+    model_config = ConfigDict(extra="allow")  # fields a template may read
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
@@ -222,11 +261,6 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
                          "server passes them to the template itself (use the request's own fields)")
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -235,7 +269,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -251,26 +285,30 @@ class ChatCompletionRequest(_Sampling):
         check_template_kwargs(self.chat_template_kwargs)
         return self
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template shows the model: none, since no tool call
-        is parsed yet. ``tool_choice: "none"`` (the model must not call one) is
-        served without them; any other use of tools is refused."""
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: tool calls are not supported yet (only \"none\")")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError('tools: tool calls are not supported yet (send tool_choice "none" '
-                             "to answer without them)")
-        return None
+    def tool_setup(self) -> tuple[list[dict[str, Any]], Any]:
+        """(the function definitions, the effective tool_choice); see tool_calls.py."""
+        return check_tools(self.tools, self.tool_choice)
+
+    def constraint(self) -> tuple[str, StructuredOutputParams] | None:
+        """The output constraint: a forced tool call's, or one of the structured-output fields'."""
+        requested = requested_constraint(self)
+        functions, tool_choice = self.tool_setup()
+        forced = forced_call_constraint(functions, tool_choice, self.parallel_tool_calls)
+        if forced is None:
+            return requested
+        if requested is not None:
+            raise ValueError(f"{requested[0]}: cannot constrain the output while tool_choice "
+                             "forces a tool call")
+        return "tool_choice", forced
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: type {self.response_format.type!r} is not supported")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        constraint = self.constraint()
         try:
-            return self._sampling_params(max_tokens, logprobs)
+            return self._sampling_params(max_tokens, logprobs, constraint[1] if constraint else None)
         except ValueError as err:
             message = str(err)
             if message.startswith("logprobs:") and self.logprobs:

@@ -31,7 +31,12 @@ from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
 from cadence.server.errors import ClientGone, GenerationFailed, error_body
 from cadence.server.formatting import SSE_DONE, ChatLogprobs, CompletionLogprobs, TextDelta, sse, usage
+from cadence.server.constraints import rename_field
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from cadence.server.tool_calls import (
+    AUTO_TOOL_PARSERS, ToolCallDeltas, ToolParser, parse_all, parser_for, prepare_conversation,
+    tool_calls_finish,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -39,12 +44,17 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class OpenAIServing:
     """The two generation endpoints over one ``AsyncLLM``."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, max_n: int = 16) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_n: int = 16,
+                 tool_call_parser: str = "hermes") -> None:
         if max_n < 1:
             raise ValueError(f"max_n: must be >= 1, got {max_n}")
+        if tool_call_parser not in AUTO_TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(AUTO_TOOL_PARSERS)}, "
+                             f"got {tool_call_parser!r}")
         self.llm = llm
         self.model_name = model_name
         self.max_n = max_n
+        self.tool_call_parser = tool_call_parser
 
     # ------------------------------------------------------------ completions
 
@@ -53,6 +63,7 @@ class OpenAIServing:
         params = body.to_sampling_params()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = await asyncio.to_thread(self._completion_prompts, body)
+        await asyncio.to_thread(self._check_constraint, params, body.constraint())
         for _, token_ids in prompts:
             check_fits_context(len(token_ids), params, self._max_model_len)
         self.llm.check_can_ever_admit(params.n * len(prompts))
@@ -121,12 +132,15 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_n(body.n)
         params = body.to_sampling_params()
-        tools = body.template_tools()
+        functions, tool_choice = body.tool_setup()
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
+        conversation, template_tools = prepare_conversation(
+            body.conversation(), functions if tool_choice != "none" else [], tokenizer.chat_template)
         text, token_ids = await asyncio.to_thread(
-            render_chat, tokenizer, body.conversation(), body.add_generation_prompt, tools,
+            render_chat, tokenizer, conversation, body.add_generation_prompt, template_tools,
             body.chat_template_kwargs)
+        await asyncio.to_thread(self._check_constraint, params, body.constraint())
         tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         check_fits_context(len(token_ids), params, self._max_model_len, "messages", tokens_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -139,29 +153,42 @@ class OpenAIServing:
             raise ValueError(message) from None
         created = int(time.time())
         num_top = body.top_logprobs or 0
+        new_parser = lambda: parser_for(tool_choice, self.tool_call_parser)  # noqa: E731
         if body.stream:
             chunks = self._chat_chunks(request_id, created, streams[0], params.n, num_top,
-                                       body.include_usage)
+                                       body.include_usage, new_parser)
             return event_stream(chunks, streams)
         final = (await collect(streams, raw))[0]
-        choices = [{
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": ChatLogprobs(tokenizer, num_top).take(c),
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-        } for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            parser = new_parser()
+            if parser is not None:
+                message["content"], calls = parse_all(parser, c.text)
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    finish_reason = tool_calls_finish(finish_reason)
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": ChatLogprobs(tokenizer, num_top).take(c),
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+            })
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created,
             "model": self.model_name, "choices": choices, "usage": usage([final]),
         })
 
     async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, n: int,
-                           num_top: int, include_usage: bool) -> AsyncIterator[str]:
+                           num_top: int, include_usage: bool,
+                           new_parser: Callable[[], ToolParser | None]) -> AsyncIterator[str]:
         assert self.llm.tokenizer is not None
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
         deltas = [TextDelta() for _ in range(n)]
         logprobs = [ChatLogprobs(self.llm.tokenizer, num_top) for _ in range(n)]
+        tool_streams = [ToolCallDeltas(new_parser()) for _ in range(n)]
         final = None
         for index in range(n):
             role = {"index": index, "delta": {"role": "assistant", "content": ""},
@@ -173,13 +200,16 @@ class OpenAIServing:
                 delta = deltas[c.index]
                 if delta.finished:
                     continue
-                text = delta.take(c)
+                message = tool_streams[c.index].take(delta.take(c), c.finished)
                 lp = logprobs[c.index].take(c)
-                if not text and not c.finished and not (lp and lp["content"]):
+                if not message and not c.finished and not (lp and lp["content"]):
                     continue
                 delta.finished = c.finished
-                choice = {"index": c.index, "delta": {"content": text} if text else {},
-                          "logprobs": lp, "finish_reason": c.finish_reason}
+                finish_reason = c.finish_reason
+                if c.finished and tool_streams[c.index].num_calls:
+                    finish_reason = tool_calls_finish(finish_reason)
+                choice = {"index": c.index, "delta": message, "logprobs": lp,
+                          "finish_reason": finish_reason}
                 if c.finished:
                     choice["stop_reason"] = c.stop_reason
                 yield sse({**head, "choices": [choice], **extra})
@@ -211,6 +241,15 @@ class OpenAIServing:
     def _max_model_len(self) -> int:
         assert self.llm.info is not None
         return self.llm.info.max_model_len
+
+    def _check_constraint(self, params: SamplingParams, constraint) -> None:
+        """The grammar compiles, or a 400 naming the request's field; runs in a
+        worker thread (a large schema takes a while), so ``add_request``'s own
+        check finds it cached."""
+        try:
+            self.llm.check_structured_outputs(params)
+        except ValueError as err:
+            raise ValueError(rename_field(str(err), constraint[0]) if constraint else str(err)) from None
 
     def _check_n(self, n: int) -> None:
         # Each of n samples is a whole generation: n is bounded like any other cost.

@@ -35,7 +35,28 @@ def test_structured_outputs_exactly_one():
     with pytest.raises(ValueError, match="^structured_outputs"):
         StructuredOutputParams(regex="a", choice=["b"])
     p = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
-    assert p.structured_outputs.choice == ["yes", "no"]
+    assert p.structured_outputs.choice == ("yes", "no")
+    assert p.structured_outputs.kind == "choice"
+    hash(p)  # a frozen params object stays hashable
+
+
+def test_structured_outputs_fields_are_checked():
+    with pytest.raises(ValueError, match="^structured_outputs: unknown field"):
+        SamplingParams(structured_outputs={"jsonn": {}})
+    with pytest.raises(ValueError, match="^structured_outputs.choice: must be a list of strings"):
+        StructuredOutputParams(choice="yes")
+    with pytest.raises(ValueError, match="^structured_outputs.choice: must not be empty"):
+        StructuredOutputParams(choice=[])
+    with pytest.raises(ValueError, match="^structured_outputs.regex: must be a non-empty string"):
+        StructuredOutputParams(regex=5)
+    with pytest.raises(ValueError, match="^structured_outputs.json: must be a JSON schema"):
+        StructuredOutputParams(json=[1])
+    with pytest.raises(ValueError, match="^structured_outputs: exactly one"):
+        StructuredOutputParams(json_object=False)
+    # A schema keeps its property order (the order the model writes them in).
+    schema = StructuredOutputParams(json={"properties": {"b": {}, "a": {}}}).json
+    assert schema.index('"b"') < schema.index('"a"')
+    assert StructuredOutputParams(json_object=True).kind == "json_object"
 
 
 # ---- bounds: every value must be finite and must cross to the engine (msgpack: 64 bits)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from tests.core.fakes import FakeRunner, all_blocks_free, greedy_token, new_request, new_scheduler, step, wait_until
+from tests.core.fakes import (
+    FakeRunner, all_blocks_free, greedy_token, new_request, new_scheduler, run_until_done, step, wait_until,
+)
 
+from cadence.config import SpeculativeConfig
 from cadence.core.request import FinishReason, RequestStatus
 from cadence.core.sched.structured_output import StructuredOutputManager
 from cadence.sampling_params import StructuredOutputParams
@@ -20,6 +23,7 @@ class FakeGrammar:
         self.accepted: list[int] = []
         self.accept_calls: list[tuple[str, list[int]]] = []
         self.filled_rows: list[int] = []
+        self.seen_at_fill: list[tuple[int, ...]] = []  # the accepted tokens at each fill
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
         self.accept_calls.append((request_id, list(token_ids)))
@@ -29,8 +33,12 @@ class FakeGrammar:
     def validate_tokens(self, token_ids: list[int]) -> list[int]:
         return list(token_ids)
 
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+
     def fill_bitmask(self, bitmask: list[set], row: int) -> None:
         self.filled_rows.append(row)
+        self.seen_at_fill.append(tuple(self.accepted))
         bitmask[row].add(f"allowed-by-{self.name}")
 
     def is_terminated(self) -> bool:
@@ -209,3 +217,51 @@ def test_failed_grammar_does_not_break_the_step(backend):
     # The request ends (aborted) instead of taking the engine down.
     assert request.is_finished()
     assert [r.request_id for r in s.waiting] == []
+    assert request.stop_reason == "structured_outputs: cannot compile 'bad'"
+
+
+def test_a_structured_request_with_drafts_gets_a_mask_row_per_draft(backend):
+    """Row j of a request's block is the grammar's mask after drafts[:j]; the
+    grammar steps over the drafts to fill them and back, and advances only on
+    what the step accepted."""
+    s = make(backend, speculative_config=SpeculativeConfig(num_speculative_tokens=2))
+    s.add_request(structured("s1", "r1", prompt=6, max_tokens=8))
+    s.add_request(structured("s2", "r2", prompt=6, max_tokens=8))
+    backend.open("r1", "r2")
+    wait_until(lambda: all(grammar_ready(s.requests[r]) for r in ("s1", "s2")))
+    # The target samples 70, 71, 72, ...; s1's drafts are right, s2's are wrong.
+    runner = FakeRunner(lambda rid, toks: 70 + len(toks) - 6,
+                        draft_fn=lambda rid, toks: ([70 + len(toks) - 6, 71 + len(toks) - 6]
+                                                    if rid == "s1" else [5, 5]))
+    step(s, runner)  # the prompts; drafts proposed
+    r1, r2 = backend.grammars["r1"], backend.grammars["r2"]
+    assert r1.accepted == [70] and r2.accepted == [70]
+    so, _ = step(s, runner)
+    assert so.scheduled_spec_decode_tokens == {"s1": [71, 72], "s2": [5, 5]}
+    assert so.structured_output_request_ids == {"s1": 0, "s2": 3}
+    assert len(so.grammar_bitmask) == 6
+    assert r1.filled_rows[-3:] == [0, 1, 2]
+    assert r1.seen_at_fill[-3:] == [(70,), (70, 71), (70, 71, 72)]
+    assert r2.filled_rows[-3:] == [3, 4, 5]
+    assert r2.seen_at_fill[-3:] == [(70,), (70, 5), (70, 5, 5)]
+    # Advanced by what was accepted: s1 all its drafts and the bonus token, s2 one token.
+    assert r1.accepted == [70, 71, 72, 73]
+    assert r2.accepted == [70, 71]
+
+
+def test_a_grammar_that_refuses_a_sampled_token_aborts_its_request(backend):
+    s = make(backend)
+    s.add_request(structured("s", "r1", prompt=6, max_tokens=8))
+    s.add_request(new_request("plain", 6, max_tokens=3))
+    backend.open("r1")
+    wait_until(lambda: grammar_ready(s.requests["s"]))
+    grammar_refuses = lambda request_id, token_ids: False  # noqa: E731
+    runner = FakeRunner()
+    step(s, runner)
+    backend.grammars["r1"].accept_tokens = grammar_refuses
+    _, outputs = step(s, runner)
+    finished = {o.request_id: o for o in outputs if o.finish_reason is not None}
+    assert finished["s"].finish_reason == FinishReason.ABORT
+    assert "refused a sampled token" in finished["s"].stop_reason
+    run_until_done(s, runner)
+    assert all_blocks_free(s)

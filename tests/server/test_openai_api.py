@@ -283,12 +283,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(tools=[TOOL]), "tools"),  # tool_choice defaults to "auto": a call would never be parsed
-    (dict(tools=[TOOL], tool_choice="required"), "tool_choice"),
-    (dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
     (dict(logit_bias={"42": 100}), "logit_bias"),
-    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
-    (dict(extra_body={"structured_outputs": {"regex": "a+"}}), "structured_outputs"),
+    (dict(extra_body={"guided_decoding_backend": "xgrammar"}), "guided_decoding_backend"),
     (dict(extra_body={"use_beam_search": True}), "use_beam_search"),
     (dict(extra_body={"chat_template": "{{ messages }}"}), "chat_template"),
     (dict(extra_body={"priority": 3}), "priority"),  # the server runs fcfs: a priority would be ignored

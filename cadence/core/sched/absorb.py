@@ -126,7 +126,7 @@ class OutputAbsorber:
         return not (
             scheduler_output.scheduled_spec_decode_tokens or runner_output.spec_token_ids is not None
             or runner_output.logprobs is not None or runner_output.prompt_logprobs_dict
-            or self.structured_output_manager is not None or self.async_scheduling
+            or scheduler_output.structured_output_request_ids or self.async_scheduling
         )
 
     def _update_request(
@@ -171,7 +171,12 @@ class OutputAbsorber:
         if so is not None and self.structured_output_manager is not None:
             grammar = so.grammar
             if grammar is not None:
-                grammar.accept_tokens(request.request_id, new_token_ids)
+                if not grammar.accept_tokens(request.request_id, new_token_ids):
+                    # The mask allows only what the grammar accepts, so this is
+                    # a backend's fault; the output would break its contract.
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    request.stop_reason = "structured_outputs: the grammar refused a sampled token"
+                    return new_token_ids, True
                 if grammar.is_terminated():
                     request.status = RequestStatus.FINISHED_STOPPED
                     return new_token_ids, True

@@ -305,7 +305,8 @@ class Scheduler(SchedulerInterface):
                 break
             if self._grammar_failed(request):
                 waiting.pop_request()
-                self.lifecycle.abort_unservable(request, "grammar compilation failed")
+                error = request.structured_output_request.error
+                self.lifecycle.abort_unservable(request, f"structured_outputs: {error}")
                 continue
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())

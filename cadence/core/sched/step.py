@@ -153,5 +153,13 @@ class StepPlan:
                 cache.free_encoder_input(request, input_id)
 
     def structured_output_request_ids(self) -> dict[str, int]:
-        """Bitmask row of each scheduled request with structured output."""
-        return {req_id: row for row, req_id in enumerate(self._structured)}
+        """First bitmask row of each scheduled request with structured output.
+
+        A request takes one row per logits row it samples from: 1 + its
+        scheduled drafts (a draft row is masked as if the drafts before it
+        were accepted)."""
+        rows, row = {}, 0
+        for req_id in self._structured:
+            rows[req_id] = row
+            row += 1 + len(self.spec_tokens.get(req_id, ()))
+        return rows

@@ -19,9 +19,14 @@ from cadence.core.request import Request
 
 
 class Grammar(Protocol):
-    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool: ...
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance over ``token_ids``; False (and no advance past it) at a token it refuses."""
+        ...
     def validate_tokens(self, token_ids: list[int]) -> list[int]:
         """The longest prefix of ``token_ids`` the grammar accepts (not advancing)."""
+        ...
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
         ...
     def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
     def is_terminated(self) -> bool: ...
@@ -49,6 +54,11 @@ class StructuredOutputRequest:
     def failed(self) -> bool:
         return self._future.done() and self._future.exception() is not None
 
+    @property
+    def error(self) -> str:
+        """Why compilation failed, for the client ("" when it did not)."""
+        return str(self._future.exception()) if self.failed else ""
+
 
 class StructuredOutputManager:
     """Compiles grammars in a thread and builds each step's bitmask."""
@@ -67,13 +77,30 @@ class StructuredOutputManager:
         structured_output_request_ids: dict[str, int],
         scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> Any:
-        """One mask row per structured request in the batch (None when there is none)."""
+        """The allowed tokens of every logits row of the structured requests.
+
+        A request has 1 + len(drafts) rows from its first row on (see
+        ``StepPlan.structured_output_request_ids``): row j is the mask after
+        its drafts[:j], so the grammar steps over the drafts and back.
+        None when no structured request is in the batch.
+        """
         if not structured_output_request_ids:
             return None
-        bitmask = self.backend.allocate_bitmask(len(structured_output_request_ids))
+        num_rows = sum(1 + len(scheduled_spec_decode_tokens.get(req_id, ()))
+                       for req_id in structured_output_request_ids)
+        bitmask = self.backend.allocate_bitmask(num_rows)
         for req_id, row in structured_output_request_ids.items():
             grammar = requests[req_id].structured_output_request.grammar
             grammar.fill_bitmask(bitmask, row)
+            drafts = scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                num_accepted = 0
+                for draft in drafts:
+                    if not grammar.accept_tokens(req_id, [draft]):
+                        break  # drafts are validated, so this is rare: later rows stay all-allowed
+                    num_accepted += 1
+                    grammar.fill_bitmask(bitmask, row + num_accepted)
+                grammar.rollback(num_accepted)
         return bitmask
 
     def shutdown(self) -> None:

@@ -1,0 +1,170 @@
+"""What every grammar backend shares: the bitmask, the compile cache, the factory.
+
+The bitmask is a torch int32 tensor [rows, ceil(vocab / 32)]: bit ``t % 32``
+of word ``t // 32`` set means token ``t`` is allowed (the layout of both
+llguidance and xgrammar). A front end (which never imports torch) uses a
+backend only to check grammars before it sends a request.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable
+
+from cadence.config import STRUCTURED_OUTPUTS_BACKENDS
+from cadence.models.tokenizer import Tokenizer
+from cadence.sampling_params import StructuredOutputParams
+
+if TYPE_CHECKING:
+    import torch
+
+# Compiled grammars kept per backend (a key is the request's whole constraint).
+COMPILE_CACHE_SIZE = 256
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def make_grammar_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> "GrammarBackendBase":
+    """The backend ``name`` over ``tokenizer``; masks are ``vocab_size`` wide (the logits')."""
+    if name not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(f"structured_outputs_backend: must be one of "
+                         f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {name!r}")
+    if importlib.util.find_spec(name) is None:
+        raise ValueError(f"structured_outputs_backend: {name} is not installed "
+                         f"(pip install {name})")
+    if name == "xgrammar":
+        from cadence.structured.xgrammar_backend import XGrammarBackend
+        return XGrammarBackend(tokenizer, vocab_size)
+    from cadence.structured.llguidance_backend import LLGuidanceBackend
+    return LLGuidanceBackend(tokenizer, vocab_size)
+
+
+class GrammarBackendBase:
+    """Compile-once-per-key and the bitmask; subclasses turn params into grammars.
+
+    The tokenizer-dependent state (vocabulary tables, ~0.1-0.3 s to build) is
+    made on first use, in the compile thread, so an engine that never sees a
+    structured request never pays for it.
+    """
+
+    name = ""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._state: Any = None
+
+    # ---- what a subclass provides ----------------------------------------
+
+    def _build_state(self) -> Any:
+        """The tokenizer-dependent tables (called once, under the lock)."""
+        raise NotImplementedError
+
+    def _compile_source(self, state: Any, params: StructuredOutputParams) -> Any:
+        """The compiled form shared by every request with these params; raises on bad input."""
+        raise NotImplementedError
+
+    def _new_grammar(self, state: Any, compiled: Any) -> Any:
+        """A fresh per-request matcher over a compiled form."""
+        raise NotImplementedError
+
+    # ---- the protocol ----------------------------------------------------
+
+    def compile(self, params: StructuredOutputParams) -> Any:
+        """A new grammar for one request; ``ValueError`` naming the field if it cannot be."""
+        return self._new_grammar(self._tables(), self._cached(params))
+
+    def check(self, params: StructuredOutputParams) -> None:
+        """Raise ``ValueError`` if ``params`` cannot compile (the result is cached)."""
+        self._cached(params)
+
+    def allocate_bitmask(self, num_rows: int) -> "torch.Tensor":
+        import torch  # the engine process has it; a front end only checks grammars
+
+        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    # ---- internals -------------------------------------------------------
+
+    def _tables(self) -> Any:
+        with self._lock:
+            if self._state is None:
+                self._state = self._build_state()
+            return self._state
+
+    def _cached(self, params: StructuredOutputParams) -> Any:
+        key = (params.kind, getattr(params, params.kind))
+        with self._lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+        if hit is None:
+            try:
+                hit = (True, self._compile_source(self._tables(), params))
+            except ValueError as err:
+                hit = (False, str(err))
+            except Exception as err:  # a backend's own error type: still the input's fault
+                hit = (False, f"structured_outputs.{params.kind}: {err}".strip())
+            with self._lock:
+                self._compiled[key] = hit
+                if len(self._compiled) > COMPILE_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        ok, value = hit
+        if not ok:
+            raise ValueError(value)
+        return value
+
+
+def choice_alternatives(choices: tuple[str, ...], rule: Callable[[str], str]) -> str:
+    """``rule(alt1 | alt2 | ...)`` with each choice as a JSON-escaped string literal
+    (the string syntax Lark and GBNF share)."""
+    return rule(" | ".join(json.dumps(c) for c in choices))
+
+
+def is_gbnf(grammar: str) -> bool:
+    """GBNF/EBNF (``root ::= ...``) rather than Lark (``start: ...``)."""
+    return "::=" in grammar
+
+
+def parse_schema(params: StructuredOutputParams) -> dict | bool:
+    """The JSON schema of ``params.json``, or ValueError naming the field."""
+    try:
+        schema = json.loads(params.json)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"structured_outputs.json: not valid JSON ({err})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("structured_outputs.json: a JSON schema must be an object")
+    return schema
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas
+# (strict_schema descends into these only: const, enum, default... hold data).
+_SCHEMA_VALUED = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+                  "additionalProperties", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists
+    ``properties`` and says nothing of others: what an application means by a
+    schema (OpenAI's strict mode, xgrammar's default), and what keeps a small
+    model from inventing keys until it runs out of tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    strict = dict(schema)
+    for key in _SCHEMA_VALUED:
+        if key in strict:
+            strict[key] = strict_schema(strict[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(strict.get(key), list):
+            strict[key] = [strict_schema(item) for item in strict[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(strict.get(key), dict):
+            strict[key] = {name: strict_schema(sub) for name, sub in strict[key].items()}
+    if "properties" in strict and "additionalProperties" not in strict:
+        strict["additionalProperties"] = False
+    return strict

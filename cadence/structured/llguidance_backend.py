@@ -1,0 +1,87 @@
+"""llguidance: grammars as Lark text, a lazy parser per request (~50 µs a mask)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from cadence.sampling_params import StructuredOutputParams
+from cadence.structured.backend import (
+    ANY_JSON_OBJECT, GrammarBackendBase, choice_alternatives, is_gbnf, parse_schema, strict_schema,
+)
+
+# Compact JSON ("," and ":" between items, no free whitespace): a small
+# model given room for whitespace may spend its whole budget on it.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class LLGuidanceBackend(GrammarBackendBase):
+    name = "llguidance"
+
+    def _build_state(self) -> llguidance.LLTokenizer:
+        # The tokenizer's own JSON: llguidance reads its vocabulary, merges and special tokens.
+        return llguidance.LLTokenizer(
+            self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+            eos_token=list(self.tokenizer.eos_token_ids) or None,
+        )
+
+    def _compile_source(self, state: llguidance.LLTokenizer, params: StructuredOutputParams) -> str:
+        grammar = _grammar_text(params)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, state)
+        if is_error:
+            raise ValueError(f"structured_outputs.{params.kind}: {messages[0]}")
+        return grammar
+
+    def _new_grammar(self, state: llguidance.LLTokenizer, compiled: str) -> "LLGuidanceGrammar":
+        matcher = llguidance.LLMatcher(state, compiled, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+        return LLGuidanceGrammar(matcher)
+
+
+def _grammar_text(params: StructuredOutputParams) -> str:
+    kind = params.kind
+    if kind == "json":
+        schema = strict_schema(parse_schema(params))
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark(
+            choice_alternatives(params.choice, lambda alts: f"start: {alts}"))
+    lark = gbnf_to_lark(params.grammar) if is_gbnf(params.grammar) else params.grammar
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class LLGuidanceGrammar:
+    """One request's parser state."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        # A refused token would leave llguidance's matcher in an error state for
+        # good: check first, so a refusal changes nothing (as the protocol says).
+        if self.matcher.validate_tokens(token_ids) < len(token_ids):
+            return False
+        return self.matcher.consume_tokens(token_ids)
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        return token_ids[: self.matcher.validate_tokens(token_ids)]
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        words = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()

@@ -1,0 +1,97 @@
+"""xgrammar (vLLM's and SGLang's default): grammars compiled to token-level
+automata ahead of time, masks in a few microseconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xgrammar
+
+from cadence.sampling_params import StructuredOutputParams
+from cadence.structured.backend import (
+    ANY_JSON_OBJECT, GrammarBackendBase, choice_alternatives, is_gbnf, parse_schema,
+)
+
+COMPILE_THREADS = 2
+
+
+class XGrammarBackend(GrammarBackendBase):
+    name = "xgrammar"
+
+    def _build_state(self) -> xgrammar.GrammarCompiler:
+        tokenizer = self.tokenizer
+        special = set(tokenizer.all_special_ids)
+        # Raw bytes per id; special tokens as "" (xgrammar never allows those
+        # inside text), padded to the logits' width.
+        vocab = [b"" if i in special else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        vocab += [b""] * (self.vocab_size - len(vocab))
+        info = xgrammar.TokenizerInfo(
+            vocab, vocab_type=xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
+            stop_token_ids=list(tokenizer.eos_token_ids) or None,
+        )
+        return xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+
+    def _compile_source(self, compiler: xgrammar.GrammarCompiler,
+                        params: StructuredOutputParams) -> xgrammar.CompiledGrammar:
+        kind = params.kind
+        try:
+            if kind == "json":
+                parse_schema(params)
+                return compiler.compile_json_schema(params.json, any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(
+                    choice_alternatives(params.choice, lambda alts: f"root ::= {alts}"))
+            if is_gbnf(params.grammar):
+                return compiler.compile_grammar(params.grammar)
+            return compiler.compile_lark(params.grammar)
+        except RuntimeError as err:  # xgrammar reports bad input this way
+            raise ValueError(f"structured_outputs.{kind}: {_message(err)}") from None
+
+    def _new_grammar(self, compiler: Any, compiled: xgrammar.CompiledGrammar) -> "XGrammarGrammar":
+        return XGrammarGrammar(xgrammar.GrammarMatcher(compiled))
+
+
+def _message(err: RuntimeError) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(err).strip()
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.endswith(tuple("0123456789")) and ".cc:" in head else text
+
+
+class XGrammarGrammar:
+    """One request's matcher."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        for i, token in enumerate(token_ids):
+            if not self.matcher.accept_token(token):
+                self.rollback(i)  # as before the call
+                return False
+        return True
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        num_valid = 0
+        for token in token_ids:
+            if not self.matcher.accept_token(token):
+                break
+            num_valid += 1
+        self.rollback(num_valid)
+        return token_ids[:num_valid]
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
