@@ -342,8 +342,8 @@ class ModelRunner:
         if scheduler_output.grammar_bitmask is not None:
             grammar_rows = _apply_grammar(logits, scheduler_output, [step.req_ids[s] for s in seqs],
                                           states, group_sizes)
-        _suppress_stops_before_min_tokens(logits, states, drafts)
-        if scheduler_output.grammar_bitmask is not None:
+        suppressed = _suppress_stops_before_min_tokens(logits, states, drafts)
+        if suppressed and scheduler_output.grammar_bitmask is not None:
             revive_dead_rows(logits, *grammar_rows)
         output = self.sampler.sample(logits, metadata)  # [N] tokens
         token_ids = output.sampled_token_ids.tolist()
@@ -481,11 +481,13 @@ def _apply_grammar(
 
 def _suppress_stops_before_min_tokens(
     logits: torch.Tensor, states: list[RequestState], drafts: list[list[int]]
-) -> None:
-    """EOS and stop tokens get -inf while a request has fewer than min_tokens outputs.
+) -> bool:
+    """EOS and stop tokens get -inf while a request has fewer than min_tokens
+    outputs; whether any did.
 
     ``logits`` [N, V] has 1 + len(drafts) rows per sampling request.
     """
+    suppressed = False
     row = 0
     for state, seq_drafts in zip(states, drafts):
         num_rows = 1 + len(seq_drafts)
@@ -493,4 +495,6 @@ def _suppress_stops_before_min_tokens(
             stop_ids = state.stop_ids()
             if stop_ids:
                 logits[row:row + num_rows, stop_ids] = float("-inf")
+                suppressed = True
         row += num_rows
+    return suppressed

@@ -212,20 +212,21 @@ class HermesParser:
             self._in_call = True
 
     def finish(self) -> Parsed:
-        """The end of the text: an unclosed block still counts if its JSON is a call."""
+        """The end of the text: an unclosed block still counts if its JSON is a call
+        (else it stays content, as written: no closing tag added)."""
         parsed = Parsed()
         if self._in_call:
-            self._close_call(self._pending, parsed)
+            self._close_call(self._pending, parsed, closed=False)
         else:
             parsed.content = self._pending
         self._pending, self._in_call = "", False
         return parsed
 
     @staticmethod
-    def _close_call(body: str, parsed: Parsed) -> None:
+    def _close_call(body: str, parsed: Parsed, closed: bool = True) -> None:
         call = _call_of(body)
         if call is None:
-            parsed.content += f"{CALL_OPEN}{body}{CALL_CLOSE}"
+            parsed.content += f"{CALL_OPEN}{body}{CALL_CLOSE if closed else ''}"
         else:
             parsed.calls.append(call)
 

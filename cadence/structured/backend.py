@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable
@@ -20,6 +21,15 @@ from cadence.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
     import torch
+
+# Rows filled in parallel from this many on (below it a thread pool costs more
+# than it saves), on this many threads: the CPU's cores, as the forward pass.
+PARALLEL_FILL_MIN_ROWS = 4
+
+
+def fill_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
 
 # Compiled grammars kept per backend (a key is the request's whole constraint).
 COMPILE_CACHE_SIZE = 256
@@ -81,6 +91,11 @@ class GrammarBackendBase:
     def check(self, params: StructuredOutputParams) -> None:
         """Raise ``ValueError`` if ``params`` cannot compile (the result is cached)."""
         self._cached(params)
+
+    def fill_bitmask_rows(self, grammars: list[Any], rows: list[int], bitmask: "torch.Tensor") -> None:
+        """Each grammar's mask into its row (a backend with a parallel filler overrides this)."""
+        for grammar, row in zip(grammars, rows):
+            grammar.fill_bitmask(bitmask, row)
 
     def allocate_bitmask(self, num_rows: int) -> "torch.Tensor":
         import torch  # the engine process has it; a front end only checks grammars

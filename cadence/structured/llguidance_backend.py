@@ -9,7 +9,8 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from cadence.sampling_params import StructuredOutputParams
 from cadence.structured.backend import (
-    ANY_JSON_OBJECT, GrammarBackendBase, choice_alternatives, is_gbnf, parse_schema, strict_schema,
+    ANY_JSON_OBJECT, PARALLEL_FILL_MIN_ROWS, GrammarBackendBase, choice_alternatives, fill_threads, is_gbnf,
+    parse_schema, strict_schema,
 )
 
 # Compact JSON ("," and ":" between items, no free whitespace): a small
@@ -19,6 +20,10 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 class LLGuidanceBackend(GrammarBackendBase):
     name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        super().__init__(tokenizer, vocab_size)
+        self._executor: llguidance.LLExecutor | None = None
 
     def _build_state(self) -> llguidance.LLTokenizer:
         # The tokenizer's own JSON: llguidance reads its vocabulary, merges and special tokens.
@@ -33,6 +38,16 @@ class LLGuidanceBackend(GrammarBackendBase):
         if is_error:
             raise ValueError(f"structured_outputs.{params.kind}: {messages[0]}")
         return grammar
+
+    def fill_bitmask_rows(self, grammars: list["LLGuidanceGrammar"], rows: list[int], bitmask: Any) -> None:
+        if len(grammars) < PARALLEL_FILL_MIN_ROWS:
+            return super().fill_bitmask_rows(grammars, rows, bitmask)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(fill_threads())
+        # One call for the batch; llguidance's threads fill the rows without the GIL.
+        self._executor.unsafe_compute_mask_ptr(
+            [(g.matcher, row) for g, row in zip(grammars, rows)], bitmask.data_ptr(),
+            bitmask.shape[1] * 4, bitmask.shape[0])
 
     def _new_grammar(self, state: llguidance.LLTokenizer, compiled: str) -> "LLGuidanceGrammar":
         matcher = llguidance.LLMatcher(state, compiled, log_level=0)

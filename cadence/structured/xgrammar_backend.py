@@ -9,7 +9,8 @@ import xgrammar
 
 from cadence.sampling_params import StructuredOutputParams
 from cadence.structured.backend import (
-    ANY_JSON_OBJECT, GrammarBackendBase, choice_alternatives, is_gbnf, parse_schema,
+    ANY_JSON_OBJECT, PARALLEL_FILL_MIN_ROWS, GrammarBackendBase, choice_alternatives, fill_threads, is_gbnf,
+    parse_schema,
 )
 
 COMPILE_THREADS = 2
@@ -17,6 +18,10 @@ COMPILE_THREADS = 2
 
 class XGrammarBackend(GrammarBackendBase):
     name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        super().__init__(tokenizer, vocab_size)
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
 
     def _build_state(self) -> xgrammar.GrammarCompiler:
         tokenizer = self.tokenizer
@@ -50,6 +55,13 @@ class XGrammarBackend(GrammarBackendBase):
             return compiler.compile_lark(params.grammar)
         except RuntimeError as err:  # xgrammar reports bad input this way
             raise ValueError(f"structured_outputs.{kind}: {_message(err)}") from None
+
+    def fill_bitmask_rows(self, grammars: list["XGrammarGrammar"], rows: list[int], bitmask: Any) -> None:
+        if len(grammars) < PARALLEL_FILL_MIN_ROWS:
+            return super().fill_bitmask_rows(grammars, rows, bitmask)
+        if self._batch is None:
+            self._batch = xgrammar.BatchGrammarMatcher(fill_threads())
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
     def _new_grammar(self, compiler: Any, compiled: xgrammar.CompiledGrammar) -> "XGrammarGrammar":
         return XGrammarGrammar(xgrammar.GrammarMatcher(compiled))

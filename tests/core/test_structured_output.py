@@ -72,6 +72,10 @@ class FakeGrammarBackend:
         self.grammars[params.regex] = grammar
         return grammar
 
+    def fill_bitmask_rows(self, grammars: list[FakeGrammar], rows: list[int], bitmask: list[set]) -> None:
+        for grammar, row in zip(grammars, rows):
+            grammar.fill_bitmask(bitmask, row)
+
     def allocate_bitmask(self, num_rows: int) -> list[set]:
         bitmask = [set() for _ in range(num_rows)]
         self.bitmasks.append(bitmask)

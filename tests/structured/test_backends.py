@@ -377,3 +377,26 @@ def test_schema_objects_refuse_unlisted_keys_unless_allowed(backend, tokenizer, 
     comma_ids = [i for i in token_ids_of(allowed) if tokenizer.token_bytes(i).startswith(b",")]
     assert bool(comma_ids) is (additional is True)
     assert allowed[encode(tokenizer, "}")[0]]
+
+
+@pytest.mark.parametrize("num_grammars", [2, 7])  # below and above the parallel threshold
+def test_batch_fill_writes_each_grammar_mask_into_its_row(backend, tokenizer, num_grammars):
+    """fill_bitmask_rows (parallel from PARALLEL_FILL_MIN_ROWS rows on) writes
+    exactly what each grammar's own fill_bitmask writes, into the row given,
+    and leaves the other rows as they were."""
+    kinds = list(KINDS.values())
+    grammars, expected = [], []
+    for i in range(num_grammars):
+        params, output, _ = kinds[i % len(kinds)]
+        grammar = backend.compile(params)
+        text = output_text(backend, output)
+        grammar.accept_tokens("req", encode(tokenizer, text)[: i % 3])  # various states
+        grammars.append(grammar)
+        expected.append(mask_words(backend, grammar))
+    rows = [2 * i + 1 for i in reversed(range(num_grammars))]  # out of order, with gaps
+    bitmask = backend.allocate_bitmask(2 * num_grammars + 1)
+    backend.fill_bitmask_rows(grammars, rows, bitmask)
+    for grammar_words, row in zip(expected, rows):
+        assert torch.equal(bitmask[row], grammar_words)
+    untouched = [r for r in range(bitmask.shape[0]) if r not in rows]
+    assert bool((bitmask[untouched] == -1).all())

@@ -306,7 +306,9 @@ class Scheduler(SchedulerInterface):
             if self._grammar_failed(request):
                 waiting.pop_request()
                 error = request.structured_output_request.error
-                self.lifecycle.abort_unservable(request, f"structured_outputs: {error}")
+                if not error.startswith("structured_outputs"):
+                    error = f"structured_outputs: {error}"
+                self.lifecycle.abort_unservable(request, error)
                 continue
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())

@@ -35,6 +35,9 @@ class Grammar(Protocol):
 class GrammarBackend(Protocol):
     def compile(self, params: Any) -> Grammar: ...
     def allocate_bitmask(self, num_rows: int) -> Any: ...
+    def fill_bitmask_rows(self, grammars: list[Grammar], rows: list[int], bitmask: Any) -> None:
+        """``grammars[i].fill_bitmask(bitmask, rows[i])`` for all, maybe in parallel."""
+        ...
 
 
 class StructuredOutputRequest:
@@ -89,19 +92,26 @@ class StructuredOutputManager:
         num_rows = sum(1 + len(scheduled_spec_decode_tokens.get(req_id, ()))
                        for req_id in structured_output_request_ids)
         bitmask = self.backend.allocate_bitmask(num_rows)
-        for req_id, row in structured_output_request_ids.items():
-            grammar = requests[req_id].structured_output_request.grammar
-            grammar.fill_bitmask(bitmask, row)
-            drafts = scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
-                num_accepted = 0
-                for draft in drafts:
-                    if not grammar.accept_tokens(req_id, [draft]):
-                        break  # drafts are validated, so this is rare: later rows stay all-allowed
-                    num_accepted += 1
-                    grammar.fill_bitmask(bitmask, row + num_accepted)
-                grammar.rollback(num_accepted)
+        grammars = [requests[req_id].structured_output_request.grammar
+                    for req_id in structured_output_request_ids]
+        self.backend.fill_bitmask_rows(grammars, list(structured_output_request_ids.values()), bitmask)
+        if scheduled_spec_decode_tokens:
+            for grammar, (req_id, row) in zip(grammars, structured_output_request_ids.items()):
+                drafts = scheduled_spec_decode_tokens.get(req_id)
+                if drafts:
+                    self._fill_draft_rows(grammar, req_id, drafts, bitmask, row)
         return bitmask
+
+    @staticmethod
+    def _fill_draft_rows(grammar: Grammar, req_id: str, drafts: list[int], bitmask: Any, row: int) -> None:
+        """Rows ``row + 1 ...``: the masks after each accepted draft; then back."""
+        num_accepted = 0
+        for draft in drafts:
+            if not grammar.accept_tokens(req_id, [draft]):
+                break  # drafts are validated, so this is rare: later rows stay all-allowed
+            num_accepted += 1
+            grammar.fill_bitmask(bitmask, row + num_accepted)
+        grammar.rollback(num_accepted)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
