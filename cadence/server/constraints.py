@@ -55,13 +55,16 @@ def requested_constraint(body: Any) -> tuple[str, StructuredOutputParams] | None
     response_format = body.response_format
     if response_format is not None:
         try:
-            params = from_response_format(response_format.model_dump())
+            params = from_response_format(response_format.model_dump(by_alias=True))
         except ValueError as err:
             raise ValueError(_named("response_format", str(err))) from None
         if params is not None:
             found.append(("response_format", params))
-    if body.structured_outputs is not None:
-        found.append(("structured_outputs", _build("structured_outputs", body.structured_outputs)))
+    structured = body.structured_outputs
+    if structured is not None:
+        if hasattr(structured, "model_dump"):  # the server's pydantic model of the field
+            structured = structured.model_dump(by_alias=True, exclude_none=True)
+        found.append(("structured_outputs", _build("structured_outputs", structured)))
     for name, kind in GUIDED_FIELDS.items():
         value = getattr(body, name)
         if value is not None:

@@ -38,9 +38,31 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's name, schema, description, strict."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: Union[str, dict[str, Any], None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -136,11 +158,11 @@ class _Sampling(BaseModel):
     slo_tpot_s: float | None = None
     # Structured outputs (constraints.py): OpenAI's field, vLLM's, vLLM's older ones.
     response_format: ResponseFormat | None = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def constraint(self) -> tuple[str, StructuredOutputParams] | None:
         """(the field it came from, the output constraint) of this request, if any."""

@@ -216,7 +216,7 @@ def test_named_tool_choice_forces_that_function(client):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client, tool_choice):
     kwargs = dict(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL, TIME_TOOL],
-                  tool_choice=tool_choice, temperature=0, max_tokens=100)
+                  tool_choice=tool_choice, temperature=0, max_tokens=70)
     whole = client.chat.completions.create(**kwargs).choices[0]
     calls: dict[int, dict] = {}
     finish_reason = None

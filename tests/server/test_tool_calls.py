@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from cadence.sampling_params import StructuredOutputParams
 from cadence.server.constraints import from_response_format, rename_field, requested_constraint
+from cadence.server.protocol import ResponseFormat
 from cadence.server.tool_calls import (
     CALL_CLOSE, CALL_OPEN, CallArrayParser, HermesParser, NamedCallParser, ToolCallDeltas, check_tools,
     forced_call_constraint, parse_all, prepare_conversation, tool_calls_finish, tools_system_prompt,
@@ -561,16 +562,6 @@ def test_from_response_format_errors(response_format, field):
     assert str(err.value).startswith(field)
 
 
-class ResponseFormat:
-    """Stands in for the request's pydantic ``response_format``."""
-
-    def __init__(self, **fields):
-        self.fields = fields
-
-    def model_dump(self):
-        return self.fields
-
-
 def body(**fields) -> SimpleNamespace:
     """A request body with only the constraint fields."""
     empty = dict(response_format=None, structured_outputs=None, guided_json=None, guided_regex=None,
@@ -622,7 +613,7 @@ def test_requested_constraint_refuses_two(fields, first, second):
     (dict(guided_choice="yes"), "guided_choice: must be a list of strings"),
     (dict(guided_json=5), "guided_json: must be a JSON schema"),
     (dict(response_format=ResponseFormat(type="json_schema")), "response_format.json_schema:"),
-    (dict(response_format=ResponseFormat(type="yaml")), "response_format.type:"),
+    (dict(response_format=ResponseFormat.model_construct(type="yaml")), "response_format.type:"),
 ])
 def test_requested_constraint_errors_name_the_field(fields, message):
     with pytest.raises(ValueError) as err:
