@@ -20,11 +20,15 @@ class LogprobsLists(msgspec.Struct, gc=False):
     """Top-k logprobs of sampled tokens, one row per sampled token.
 
     Row r: ``logprob_token_ids[r][0]`` is the sampled token, then its top-k.
+    A runner's step output may hold several rows per request (accepted
+    drafts): ``cu_num_generated_tokens[i]:cu_num_generated_tokens[i + 1]``
+    are request i's rows; without it, row i is request i's.
     """
 
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
+    cu_num_generated_tokens: list[int] | None = None
 
     def slice(self, start: int, end: int) -> "LogprobsLists":
         return LogprobsLists(
@@ -32,6 +36,13 @@ class LogprobsLists(msgspec.Struct, gc=False):
             self.logprobs[start:end],
             self.sampled_token_ranks[start:end],
         )
+
+    def rows_of(self, req_index: int) -> "LogprobsLists":
+        """The rows of the ``req_index``-th request of a step."""
+        if self.cu_num_generated_tokens is None:
+            return self.slice(req_index, req_index + 1)
+        cu = self.cu_num_generated_tokens
+        return self.slice(cu[req_index], cu[req_index + 1])
 
 
 @dataclass(slots=True)
@@ -107,6 +118,27 @@ class SpecDecodingStats(msgspec.Struct, gc=False):
         self.num_accepted_tokens += num_accepted_tokens
         for pos in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] += 1
+
+    def add(self, other: "SpecDecodingStats") -> None:
+        """Count ``other``'s drafts in too (totals over many steps)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for pos, count in enumerate(other.num_accepted_tokens_per_pos):
+            if pos < len(self.num_accepted_tokens_per_pos):
+                self.num_accepted_tokens_per_pos[pos] += count
+            else:
+                self.num_accepted_tokens_per_pos.append(count)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verifying step yields per request: 1 + accepted drafts (vLLM's measure)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 class SchedulerStats(msgspec.Struct, gc=False):

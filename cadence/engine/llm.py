@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from cadence.config import EngineOptions
+from cadence.core.outputs import SpecDecodingStats
 from cadence.engine.builder import Engine, build_engine
 from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
 from cadence.engine.output_processor import OutputProcessor
@@ -34,6 +35,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # Draft acceptance since this LLM was made (None: no speculative decoding).
+        self.spec_decoding_stats: SpecDecodingStats | None = None
 
     @property
     def scheduler(self):
@@ -108,7 +111,9 @@ class LLM:
         wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
         while len(finals) < len(wanted) and core.has_work():
-            outputs = [o for eco in core.step().values() for o in eco.outputs]
+            step_outputs = core.step()
+            self._count_drafts(step_outputs)
+            outputs = [o for eco in step_outputs.values() for o in eco.outputs]
             results, stopped = self._processor.process(outputs)
             if stopped:
                 core.finish_by_stop_string(stopped)
@@ -120,3 +125,11 @@ class LLM:
         while core.has_work() and not core.scheduler.has_unfinished_requests():
             core.step()  # report the last finished ids to the runner
         return [finals[request_id] for request_id in request_ids]
+
+    def _count_drafts(self, step_outputs) -> None:
+        for eco in step_outputs.values():
+            spec = eco.scheduler_stats.spec_decoding_stats if eco.scheduler_stats is not None else None
+            if spec is not None:
+                if self.spec_decoding_stats is None:
+                    self.spec_decoding_stats = SpecDecodingStats.new(spec.num_spec_tokens)
+                self.spec_decoding_stats.add(spec)

@@ -17,11 +17,15 @@ Rows stay dense: removing a request moves the last row into the hole.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from cadence.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cadence.runner.draft_gate import DraftGate
 
 
 @dataclass
@@ -43,6 +47,7 @@ class RequestState:
     # preemption must not report them twice).
     num_prompt_logprobs_sent: int = 0
     eos_token_id: int | None = None
+    draft_gate: "DraftGate | None" = None  # whether to draft for it (speculative decoding)
 
     @property
     def min_tokens_pending(self) -> bool:

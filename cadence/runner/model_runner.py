@@ -29,6 +29,7 @@ from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.kernels.triton_fused_ops import TritonFusedOps
+from cadence.runner.draft_gate import DraftGate
 from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
 from cadence.runner.grammar_mask import apply_grammar_bitmask, grammar_rows, revive_dead_rows
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
@@ -99,6 +100,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
         self.drafter = _make_drafter(speculative_config)
+        self.draft_acceptance_floor = speculative_config.draft_acceptance_floor if speculative_config else 0.0
         self.attention_kernel = None
         self.cpu_paths = None
         if self.device.type == "cpu":
@@ -264,9 +266,19 @@ class ModelRunner:
             num_computed_tokens=new_req.num_computed_tokens,
             output_token_ids=list(new_req.output_token_ids),
             eos_token_id=new_req.eos_token_id,
+            draft_gate=self._draft_gate_for(new_req.req_id),
         )
         self.requests[new_req.req_id] = state
         self.input_batch.add(state)
+
+    def _draft_gate_for(self, req_id: str) -> DraftGate | None:
+        """A request sent anew after preemption keeps its gate (its acceptance so far)."""
+        if self.drafter is None:
+            return None
+        previous = self.requests.get(req_id)
+        if previous is not None and previous.draft_gate is not None:
+            return previous.draft_gate
+        return DraftGate(self.draft_acceptance_floor)
 
     def _generator_for(self, new_req: NewRequestData) -> torch.Generator | None:
         """The request's own generator when it has a seed.
@@ -348,9 +360,11 @@ class ModelRunner:
         output = self.sampler.sample(logits, metadata)  # [N] tokens
         token_ids = output.sampled_token_ids.tolist()
         first_rows = [0] + list(itertools.accumulate(group_sizes))[:-1]
-        for s, seq_drafts, first in zip(seqs, drafts, first_rows):
+        for s, seq_drafts, first, state in zip(seqs, drafts, first_rows, states):
             sampled[s] = accept_drafts(seq_drafts, token_ids[first : first + 1 + len(seq_drafts)])
-        logprobs = _logprobs_lists(output, seqs, first_rows, states, len(step.req_ids))
+            if seq_drafts and state.draft_gate is not None:
+                state.draft_gate.observe(len(seq_drafts), len(sampled[s]) - 1)
+        logprobs = _logprobs_lists(output, seqs, first_rows, states, sampled, len(step.req_ids))
         return sampled, logprobs
 
     def _sampling_metadata(
@@ -403,7 +417,8 @@ class ModelRunner:
             return None
         drafts: list[list[int]] = []
         for row, token_ids in zip(step.rows, sampled):
-            if not token_ids:
+            gate = self.input_batch.states[row].draft_gate
+            if not token_ids or (gate is not None and not gate.allows_draft()):
                 drafts.append([])
                 continue
             tokens = self.input_batch.known_token_ids(row)
@@ -432,28 +447,37 @@ def _logprobs_lists(
     seqs: list[int],
     first_rows: list[int],
     states: list[RequestState],
+    sampled: list[list[int]],
     num_reqs: int,
 ) -> LogprobsLists | None:
-    """One row per scheduled request (the scheduler slices by request index).
+    """A row per token each request sampled (its accepted drafts and the
+    target's own token), for the requests that asked for logprobs; the
+    request offsets in ``cu_num_generated_tokens``.
 
-    A request that sampled nothing, or asked for no logprobs, gets an empty
-    row with rank 0. With drafts, the row describes the first sampled token.
+    Accepted token j of a request is the target's pick at its logits row
+    first + j (drafts are accepted only where the pick equals them), so its
+    row there describes it.
     """
     if output.logprobs is None:
         return None
-    token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-    logprobs: list[list[float]] = [[] for _ in range(num_reqs)]
-    ranks = [0] * num_reqs
-    all_ids, all_logprobs = output.logprobs_token_ids.tolist(), output.logprobs.tolist()
-    all_ranks = output.sampled_token_ranks.tolist()
-    for s, row, state in zip(seqs, first_rows, states):
+    counts = [0] * num_reqs
+    row_index: list[int] = []  # sampler rows, in request order
+    limits: list[int] = []
+    for s, first, state in zip(seqs, first_rows, states):
         k = state.sampling_params.logprobs
         if k is None:
             continue
-        token_ids[s] = all_ids[row][: 1 + k]
-        logprobs[s] = all_logprobs[row][: 1 + k]
-        ranks[s] = all_ranks[row]
-    return LogprobsLists(token_ids, logprobs, ranks)
+        counts[s] = len(sampled[s])
+        row_index.extend(range(first, first + counts[s]))
+        limits.extend([1 + k] * counts[s])
+    cu = [0, *itertools.accumulate(counts)]
+    all_ids, all_logprobs = output.logprobs_token_ids.tolist(), output.logprobs.tolist()
+    all_ranks = output.sampled_token_ranks.tolist()
+    # ``seqs`` ascend, so request s's rows sit at cu[s]:cu[s + 1].
+    token_ids = [all_ids[row][:limit] for row, limit in zip(row_index, limits)]
+    logprobs = [all_logprobs[row][:limit] for row, limit in zip(row_index, limits)]
+    ranks = [all_ranks[row] for row in row_index]
+    return LogprobsLists(token_ids, logprobs, ranks, cu_num_generated_tokens=cu)
 
 
 def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:

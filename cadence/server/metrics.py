@@ -18,7 +18,7 @@ from typing import Callable
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cadence.core.outputs import SchedulerStats
+from cadence.core.outputs import SchedulerStats, SpecDecodingStats
 from cadence.engine.async_llm import FrontendState
 
 _FRONTEND_DOCS = {
@@ -95,6 +95,18 @@ class PrometheusStatLogger:
             "whether they met them.", ["model_name", "result"], registry=self.registry)
         self._num_queries = 0
         self._num_hits = 0
+        self.spec_drafts = counter("spec_decode_num_drafts", "Drafts verified (one per request per step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(
+            "cadence:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+            "in the draft (0 first).", ["model_name", "position"], registry=self.registry)
+        self.spec_acceptance_rate = gauge(
+            "spec_decode_acceptance_rate", "Accepted / drafted tokens since the server started.")
+        self.spec_mean_acceptance_length = gauge(
+            "spec_decode_mean_acceptance_length",
+            "Tokens per verifying step of a request (1 + accepted drafts) since the server started.")
+        self._spec_totals: SpecDecodingStats | None = None
         self._frontend_gauges = {f.name: gauge(f"frontend_{f.name}", _FRONTEND_DOCS[f.name])
                                  for f in fields(FrontendState)}
 
@@ -117,6 +129,21 @@ class PrometheusStatLogger:
             self.prefix_cache_hit_rate.set(self._num_hits / self._num_queries)
         if stats.client_service is not None:
             self._record_client_service(stats.client_service)
+        if stats.spec_decoding_stats is not None:
+            self._record_spec_decoding(stats.spec_decoding_stats)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(count)
+        if self._spec_totals is None:
+            self._spec_totals = SpecDecodingStats.new(spec.num_spec_tokens)
+        self._spec_totals.add(spec)
+        if self._spec_totals.num_drafts:
+            self.spec_acceptance_rate.set(self._spec_totals.acceptance_rate or 0.0)
+            self.spec_mean_acceptance_length.set(self._spec_totals.mean_acceptance_length)
 
     def _record_client_service(self, service: dict[str, int]) -> None:
         for client in self._clients - service.keys():  # fell out of the named set

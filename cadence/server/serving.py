@@ -29,9 +29,9 @@ from cadence.engine.inputs import prompt_token_ids
 from cadence.engine.outputs import RequestOutput
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
+from cadence.server.constraints import rename_field
 from cadence.server.errors import ClientGone, GenerationFailed, error_body
 from cadence.server.formatting import SSE_DONE, ChatLogprobs, CompletionLogprobs, TextDelta, sse, usage
-from cadence.server.constraints import rename_field
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from cadence.server.tool_calls import (
     AUTO_TOOL_PARSERS, ToolCallDeltas, ToolParser, parse_all, parser_for, prepare_conversation,

@@ -269,7 +269,7 @@ def test_logprobs_and_prompt_logprobs(model):
     sched.add("a", prompt, params)
     first = sched.step({"a": 6})
     second = sched.step({"a": 4})
-    assert first.logprobs is None or first.logprobs.logprob_token_ids == [[]]
+    assert first.logprobs is None or first.logprobs.rows_of(0).logprob_token_ids == []
     with torch.inference_mode():
         hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), ReferenceAttention())
         expected = model.compute_logits(hidden).log_softmax(-1)  # [P, V]
@@ -284,6 +284,35 @@ def test_logprobs_and_prompt_logprobs(model):
     assert lp.logprob_token_ids[0][0] == sampled == lp.logprob_token_ids[0][1]
     assert lp.sampled_token_ranks == [1] and len(lp.logprobs[0]) == 4
     assert lp.logprobs[0][0] == pytest.approx(float(expected[-1].max()), abs=1e-4)
+
+
+def test_every_accepted_draft_gets_its_logprobs(model):
+    """A step that accepts drafts reports a logprobs row for each token it
+    yields (each the target's own distribution at that position), at the
+    request's offsets; a request without logprobs has no rows."""
+    prompt = prompt_of(16, 8)
+    truth = dense_greedy(model, prompt, 8)
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=2, max_tokens=None)
+    sched = HandScheduler(make_runner(model))
+    sched.add("plain", prompt_of(22, 5))
+    sched.add("a", prompt, with_logprobs)
+    sched.add("b", prompt_of(21, 6), with_logprobs)
+    sched.step()
+    out = sched.step(drafts={"a": truth[1:3] + [(truth[3] + 1) % 256]})  # 2 accepted + correction
+    index = out.req_id_to_index
+    assert out.sampled_token_ids[index["a"]] == truth[1:4]
+    assert out.logprobs.rows_of(index["plain"]).logprob_token_ids == []
+    assert len(out.logprobs.rows_of(index["b"]).logprob_token_ids) == 1
+    rows = out.logprobs.rows_of(index["a"])
+    assert [r[0] for r in rows.logprob_token_ids] == truth[1:4]
+    assert all(len(r) == 3 for r in rows.logprobs)  # the sampled token, then the top 2
+    sequence = prompt + truth[:3]
+    with torch.inference_mode():
+        hidden = model(torch.tensor(sequence), torch.arange(len(sequence)), ReferenceAttention())
+        expected = model.compute_logits(hidden).log_softmax(-1)
+    for j, row in enumerate(rows.logprobs):  # truth[j + 1] follows sequence[:len(prompt) + j + 1]
+        assert row[0] == pytest.approx(float(expected[len(prompt) + j, truth[j + 1]]), abs=1e-4)
+    assert rows.sampled_token_ranks == [1, 1, 1]
 
 
 def test_empty_step_returns_empty_output(model):

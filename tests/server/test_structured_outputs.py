@@ -117,6 +117,12 @@ def test_json_object_mode(client):
                   response_format={"type": "json_object"}, max_tokens=200).choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict)
+    # /v1/completions takes response_format too (as a request extra for the client).
+    completion = client.completions.create(
+        model=MODEL, prompt="A JSON object describing a dog:", max_tokens=150, temperature=0,
+        extra_body={"response_format": {"type": "json_object"}})
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(completion.choices[0].text), dict)
 
 
 def test_regex_and_choice_constrain(client):

@@ -153,7 +153,7 @@ class OutputAbsorber:
         if new_token_ids or kv_transfer_params or prompt_logprobs is not None:
             new_logprobs = None
             if request.sampling_params.logprobs is not None and runner_output.logprobs is not None:
-                new_logprobs = runner_output.logprobs.slice(index, index + 1)
+                new_logprobs = runner_output.logprobs.rows_of(index)
             output = make_engine_core_output(
                 request, new_token_ids, new_logprobs, prompt_logprobs, kv_transfer_params
             )
