@@ -229,14 +229,16 @@ class SpeculativeConfig:
     )
     prompt_lookup_min: int = option(1, "Shortest n-gram the ngram drafter matches.")
     prompt_lookup_max: int = option(3, "Longest n-gram the ngram drafter matches.")
-    draft_acceptance_floor: float = option(
-        0.3, "Per request, drafting pauses while the moving average of its accepted / drafted "
-             "tokens is below this, and retries after a pause that doubles while it stays "
-             "low; 0 drafts whenever the drafter finds a match.")
+    draft_acceptance_floor: float | None = option(
+        None, "Per request, drafting pauses while the moving average of its accepted / drafted "
+              "tokens is below this, and retries after a pause that doubles while it stays "
+              "low. Default: the break-even rate, measured from the engine's own steps (what "
+              "a draft token costs against what an output token is worth); 0 always drafts.")
 
     def __post_init__(self) -> None:
         _require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
-        _require(0 <= self.draft_acceptance_floor <= 1, "draft_acceptance_floor", "must be in [0, 1]")
+        if self.draft_acceptance_floor is not None:
+            _require(0 <= self.draft_acceptance_floor <= 1, "draft_acceptance_floor", "must be in [0, 1]")
         _require(
             1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
             "prompt_lookup_min",

@@ -20,6 +20,7 @@ scheduler's "one more token" to know what to feed.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +30,7 @@ from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.kernels.triton_fused_ops import TritonFusedOps
-from cadence.runner.draft_gate import DraftGate
+from cadence.runner.draft_gate import DraftCostModel, DraftGate
 from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
 from cadence.runner.grammar_mask import apply_grammar_bitmask, grammar_rows, revive_dead_rows
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
@@ -100,7 +101,10 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
         self.drafter = _make_drafter(speculative_config)
-        self.draft_acceptance_floor = speculative_config.draft_acceptance_floor if speculative_config else 0.0
+        # Drafting's floor: fixed by the option, else measured (the break-even acceptance).
+        self.draft_acceptance_floor = speculative_config.draft_acceptance_floor if speculative_config else None
+        self.draft_costs = (DraftCostModel() if self.drafter is not None and self.draft_acceptance_floor is None
+                            else None)
         self.attention_kernel = None
         self.cpu_paths = None
         if self.device.type == "cpu":
@@ -194,10 +198,14 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
+        start = time.perf_counter()
         with torch.inference_mode():
             hidden, logits_indices = self._forward(step)  # [T, hidden], [N]
             sampled, logprobs = self._sample(step, hidden, logits_indices, scheduler_output)
             prompt_logprobs = self._prompt_logprobs(step, hidden)
+        if self.draft_costs is not None:  # (sampling ended in .tolist(): the step is done)
+            self.draft_costs.observe_step(scheduler_output.total_num_scheduled_tokens,
+                                          sum(map(len, sampled)), time.perf_counter() - start)
         for row, token_ids in zip(step.rows, sampled):
             if token_ids:
                 self.input_batch.append_token_ids(row, token_ids)
@@ -278,7 +286,13 @@ class ModelRunner:
         previous = self.requests.get(req_id)
         if previous is not None and previous.draft_gate is not None:
             return previous.draft_gate
-        return DraftGate(self.draft_acceptance_floor)
+        return DraftGate()
+
+    def _draft_floor(self) -> float:
+        """The acceptance rate a request's drafts need now to be worth drafting."""
+        if self.draft_costs is not None:
+            return self.draft_costs.break_even_acceptance()
+        return self.draft_acceptance_floor or 0.0
 
     def _generator_for(self, new_req: NewRequestData) -> torch.Generator | None:
         """The request's own generator when it has a seed.
@@ -360,10 +374,11 @@ class ModelRunner:
         output = self.sampler.sample(logits, metadata)  # [N] tokens
         token_ids = output.sampled_token_ids.tolist()
         first_rows = [0] + list(itertools.accumulate(group_sizes))[:-1]
+        floor = self._draft_floor() if any(drafts) else 0.0
         for s, seq_drafts, first, state in zip(seqs, drafts, first_rows, states):
             sampled[s] = accept_drafts(seq_drafts, token_ids[first : first + 1 + len(seq_drafts)])
             if seq_drafts and state.draft_gate is not None:
-                state.draft_gate.observe(len(seq_drafts), len(sampled[s]) - 1)
+                state.draft_gate.observe(len(seq_drafts), len(sampled[s]) - 1, floor)
         logprobs = _logprobs_lists(output, seqs, first_rows, states, sampled, len(step.req_ids))
         return sampled, logprobs
 

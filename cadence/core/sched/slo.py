@@ -48,9 +48,12 @@ class StepTimeModel:
     steps are observed; old observations fade with ``forgetting`` per step.
     """
 
-    def __init__(self, base_s: float = 0.01, per_token_s: float = 2e-5, forgetting: float = 0.995) -> None:
+    def __init__(self, base_s: float = 0.01, per_token_s: float = 2e-5, forgetting: float = 0.995,
+                 per_token_doubt: float = 1e-6) -> None:
         self.theta = [base_s, per_token_s]
-        self.p = [[1.0, 0.0], [0.0, 1e-6]]  # covariance: trust the prior a little
+        # Covariance: how far the fit may move from the prior (``per_token_doubt``
+        # for the per-token cost: a larger one learns it from fewer steps).
+        self.p = [[1.0, 0.0], [0.0, per_token_doubt]]
         self.forgetting = forgetting
         self.num_observed = 0
 
