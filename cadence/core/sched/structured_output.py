@@ -108,7 +108,9 @@ class StructuredOutputManager:
         num_accepted = 0
         for draft in drafts:
             if not grammar.accept_tokens(req_id, [draft]):
-                break  # drafts are validated, so this is rare: later rows stay all-allowed
+                # (Rare: drafts are validated.) Its own row refuses it, so the
+                # target rejects it there and the rows after go unused.
+                break
             num_accepted += 1
             grammar.fill_bitmask(bitmask, row + num_accepted)
         grammar.rollback(num_accepted)
