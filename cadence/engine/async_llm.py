@@ -175,7 +175,19 @@ class RequestStream:
         self.llm = llm
         self.request_id = request_id
         self._queue = queue
+        self._first: RequestOutput | None = None  # taken by wait_accepted, not yet iterated
         self.finished = False
+
+    async def wait_accepted(self) -> None:
+        """Wait until the engine sends the first output, or raise its refusal
+        (``QueueFullError`` when the load refused it): what a server does
+        before it commits to a 200 for a stream that the engine may refuse."""
+        if self._first is None and not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self._first = item
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -183,7 +195,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if self._first is not None:
+            item, self._first = self._first, None
+        else:
+            item = await self._queue.get()
         while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
@@ -211,6 +226,8 @@ class AsyncLLM:
         self._folder, self.input_address, self.output_address = new_ipc_addresses()
         self._slo_defaults: tuple[float | None, float | None] = (None, None)  # see start
         self._grammar_backend_name = "llguidance"  # see start
+        # Whether the engine may refuse a request after it was sent (--slo-reject).
+        self.refuses_under_load = False
         self._grammars: GrammarBackendBase | None = None  # checks grammars before they are sent
         # Sends go through a plain socket: a PUSH with no high-water mark never
         # blocks, so a handler or the output loop can send without awaiting.
@@ -249,6 +266,7 @@ class AsyncLLM:
         engine builds; the weights live in the engine process) and wait for the handshake."""
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
+        self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
         if scheduler.policy == "slo":
             self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
         process = start_engine_process(options, self.input_address, self.output_address,

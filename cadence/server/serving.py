@@ -70,6 +70,7 @@ class OpenAIServing:
         streams = self._submit(request_id, prompts, params, body)
         created = int(time.time())
         if body.stream:
+            await self._wait_accepted(streams)
             chunks = self._completion_chunks(request_id, created, streams, params.n,
                                              body.include_usage)
             return event_stream(chunks, streams)
@@ -155,6 +156,7 @@ class OpenAIServing:
         num_top = body.top_logprobs or 0
         new_parser = lambda: parser_for(tool_choice, self.tool_call_parser)  # noqa: E731
         if body.stream:
+            await self._wait_accepted(streams)
             chunks = self._chat_chunks(request_id, created, streams[0], params.n, num_top,
                                        body.include_usage, new_parser)
             return event_stream(chunks, streams)
@@ -241,6 +243,21 @@ class OpenAIServing:
     def _max_model_len(self) -> int:
         assert self.llm.info is not None
         return self.llm.info.max_model_len
+
+    async def _wait_accepted(self, streams: list[RequestStream]) -> None:
+        """Where the engine may refuse a request under load (``--slo-reject``), a
+        stream waits for its first output before the 200 goes out, so that a
+        refusal is a 429 with Retry-After, as for a whole response, rather than an
+        error event inside a stream already begun. It costs nothing: the first
+        chunk could not have carried a token sooner."""
+        if not self.llm.refuses_under_load:
+            return
+        try:
+            for stream in streams:
+                await stream.wait_accepted()
+        except BaseException:
+            close_all(streams)
+            raise
 
     def _check_constraint(self, params: SamplingParams, constraint) -> None:
         """The grammar compiles, or a 400 naming the request's field; runs in a

@@ -24,6 +24,23 @@ def test_a_target_out_of_reach_gets_429_with_retry_after(slo_server):
     assert "slo_ttft_s" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("route, body", [
+    ("completions", {"prompt": "The capital of France is"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_a_streamed_request_out_of_reach_gets_429_too(slo_server, route, body):
+    """The refusal comes before the stream begins: a 429, not an error event."""
+    body = {**body, "max_tokens": 4, "stream": True}
+    response = httpx.post(f"{slo_server.base_url}/v1/{route}", json=body, timeout=60)
+    assert response.status_code == 429, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    served = httpx.post(f"{slo_server.base_url}/v1/{route}", timeout=60,
+                        json={**body, "slo_ttft_s": 60.0, "slo_tpot_s": 5.0})
+    assert served.status_code == 200
+    events = [line for line in served.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
 def test_a_request_with_a_reachable_target_is_served(slo_server):
     before = slo_server.metrics('result="met"').get("cadence:slo_requests_total", 0)
     response = complete(slo_server, slo_ttft_s=60.0, slo_tpot_s=5.0)
