@@ -320,6 +320,11 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._dead is None and self.info is not None
 
+    @property
+    def engine_process_running(self) -> bool:
+        """The engine process is up (it may refuse requests already: see ``abort_all``)."""
+        return self.process is not None and self.process.is_alive()
+
     def frontend_state(self) -> FrontendState:
         """The front end's per-request state, for /metrics and the tests' invariant check."""
         num_states, num_routes = (self._processor.num_entries() if self._processor is not None

@@ -192,6 +192,11 @@ class GracefulServer(uvicorn.Server):
         if self._drain is None:
             self._drain = self._start_drain()
         if self._drain is not None and self._drain.done():
+            if self.exit_code == 0 and not self.state.llm.engine_process_running:
+                # It died during a signal's drain: still a crash, for the supervisor.
+                self.exit_code = 1
+                logger.error("cadence: the engine died while the server was draining: "
+                             "exit code 1")
             return True
         return await super().on_tick(counter)
 

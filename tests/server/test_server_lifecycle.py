@@ -135,6 +135,21 @@ def test_engine_death_ends_the_server_with_a_nonzero_exit_code(make_server):
     assert "the engine process died" in server.log()
 
 
+def test_engine_death_during_a_drain_is_still_a_nonzero_exit(make_server):
+    """SIGTERM starts a drain; the engine dying in it is a crash all the same."""
+    server = make_server("drain-death", ["--shutdown-timeout", "60"])
+    stream = RawStream(server, LONG)
+    assert wait_until(stream.started, 60)
+    server.process.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: httpx.get(f"{server.base_url}/health", timeout=5).status_code == 503, 5)
+    os.kill(server.engine_pid(), signal.SIGKILL)
+
+    stream.join(30)
+    assert stream.events[-1] == "[DONE]" and stream.errors()
+    assert server.process.wait(30) == 1
+    assert "the engine died while the server was draining" in server.log()
+
+
 def test_a_dead_engine_reports_nothing_running():
     """/metrics must not show the dead engine's last step (its gauges go to zero)."""
 
