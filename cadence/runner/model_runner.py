@@ -365,12 +365,16 @@ class ModelRunner:
         states = [self.input_batch.states[step.rows[s]] for s in seqs]
         metadata = self._sampling_metadata(states, drafts)
         group_sizes = [1 + len(d) for d in drafts]
-        if scheduler_output.grammar_bitmask is not None:
-            grammar_rows = _apply_grammar(logits, scheduler_output, [step.req_ids[s] for s in seqs],
-                                          states, group_sizes)
-        suppressed = _suppress_stops_before_min_tokens(logits, states, drafts)
-        if suppressed and scheduler_output.grammar_bitmask is not None:
-            revive_dead_rows(logits, *grammar_rows)
+        structured = scheduler_output.grammar_bitmask is not None
+        if structured:
+            seq_req_ids = [step.req_ids[s] for s in seqs]
+            masked_rows, allowed = _apply_grammar(logits, scheduler_output, seq_req_ids, group_sizes)
+        if _suppress_stops_before_min_tokens(logits, states, drafts) and structured:
+            # Rare (min_tokens with a grammar): the stop ids are gathered only then.
+            first_mask_row = scheduler_output.structured_output_request_ids
+            stop_ids = [state.stop_ids() for req_id, state, count in zip(seq_req_ids, states, group_sizes)
+                        if req_id in first_mask_row for _ in range(count)]
+            revive_dead_rows(logits, masked_rows, allowed, stop_ids)
         output = self.sampler.sample(logits, metadata)  # [N] tokens
         token_ids = output.sampled_token_ids.tolist()
         first_rows = [0] + list(itertools.accumulate(group_sizes))[:-1]
@@ -506,16 +510,12 @@ def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:
 
 
 def _apply_grammar(
-    logits: torch.Tensor, scheduler_output: SchedulerOutput, req_ids: list[str],
-    states: list[RequestState], group_sizes: list[int],
-) -> tuple[list[int], torch.Tensor | None, list[list[int]]]:
-    """Mask the structured requests' logits rows; returns what ``revive_dead_rows`` needs."""
-    first_mask_row = scheduler_output.structured_output_request_ids
-    logits_rows, mask_rows = grammar_rows(req_ids, group_sizes, first_mask_row)
+    logits: torch.Tensor, scheduler_output: SchedulerOutput, req_ids: list[str], group_sizes: list[int],
+) -> tuple[list[int], torch.Tensor | None]:
+    """Mask the structured requests' logits rows: (those rows, their allowed tokens)."""
+    logits_rows, mask_rows = grammar_rows(req_ids, group_sizes, scheduler_output.structured_output_request_ids)
     allowed = apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, logits_rows, mask_rows)
-    stop_ids = [state.stop_ids() for req_id, state, count in zip(req_ids, states, group_sizes)
-                if req_id in first_mask_row for _ in range(count)]
-    return logits_rows, allowed, stop_ids
+    return logits_rows, allowed
 
 
 def _suppress_stops_before_min_tokens(
