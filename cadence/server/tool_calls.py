@@ -360,6 +360,9 @@ class ToolCallDeltas:
     def __init__(self, parser: ToolParser | None) -> None:
         self.parser = parser
         self.num_calls = 0
+        # Whitespace-only content is held until text follows it: a completion
+        # that turns out to be only calls has no content, as its whole parse.
+        self.held_space = ""
 
     def take(self, text: str, finished: bool) -> dict[str, Any]:
         if self.parser is None:
@@ -370,9 +373,13 @@ class ToolCallDeltas:
             parsed = Parsed(parsed.content + end.content, parsed.calls + end.calls,
                             parsed.arguments_delta + end.arguments_delta)
         delta: dict[str, Any] = {}
-        if parsed.content and not (finished and self.num_calls + len(parsed.calls) and
-                                   not parsed.content.strip()):
-            delta["content"] = parsed.content
+        content = self.held_space + parsed.content
+        self.held_space = ""
+        if content.strip() or (finished and not self.num_calls + len(parsed.calls)):
+            if content:
+                delta["content"] = content
+        elif not finished:
+            self.held_space = content
         calls = []
         for call in parsed.calls:
             calls.append({"index": self.num_calls, **call.to_openai()})

@@ -328,8 +328,9 @@ def test_deltas_reassemble_to_the_whole_text_parse(doc, data):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == name_args(whole_calls)
     assert all(c["id"].startswith("call_") for c in calls)
     assert deltas.num_calls == len(whole_calls)
-    # The last delta drops whitespace-only content once there are calls, so the
-    # stream may lack trailing whitespace that the whole-text parse keeps.
+    # Whitespace-only content is held until text follows and dropped at the end
+    # if there are calls, so the stream may lack trailing whitespace that the
+    # whole-text parse keeps.
     whole_content = whole_content or ""
     assert whole_content.startswith(content)
     assert not whole_content[len(content):].strip()
@@ -347,7 +348,21 @@ def test_deltas_first_delta_of_each_call_and_indices():
         assert call["function"]["name"] == name
     assert [json.loads(call["function"]["arguments"]) for call in firsts] == [{"a": 1}, {}, {"b": [2]}]
     assert deltas.num_calls == 3
-    assert reassemble(stream_deltas)[0] == "Hi \n"
+    # Whitespace after the last text is held and, with calls made, dropped.
+    assert reassemble(stream_deltas)[0] == "Hi"
+
+
+def test_deltas_of_calls_parted_by_whitespace_have_no_content():
+    text = call_text("f", {}) + " \n" + call_text("g", {}) + " "
+    for pieces in ([text], list(text), [text[:len(call_text("f", {})) + 1], text[len(call_text("f", {})) + 1:]]):
+        stream_deltas = take_all(ToolCallDeltas(HermesParser()), pieces)
+        assert all("content" not in delta for delta in stream_deltas)
+        assert [call["name"] for call in reassemble(stream_deltas)[1]] == ["f", "g"]
+
+
+def test_deltas_keep_whitespace_between_texts():
+    stream_deltas = take_all(ToolCallDeltas(HermesParser()), ["Hi", " ", "\n", "there", " "])
+    assert reassemble(stream_deltas)[0] == "Hi \nthere "
 
 
 def test_deltas_of_a_named_call():
