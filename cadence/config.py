@@ -75,8 +75,9 @@ class SchedulerConfig:
                "is predicted to be missed."
     )
     async_scheduling: bool = option(
-        False, "Schedule the next step while the current one runs (output placeholders). "
-               "Scheduler only: engines refuse it until they overlap steps."
+        False, "Schedule the next step while the current one runs (output placeholders): the "
+               "scheduler's and the front end's work overlaps the model's. Not with speculative "
+               "decoding; a request with a grammar waits for its token in flight."
     )
     max_num_encoder_input_tokens: int | None = option(
         None, "Encoder-input token budget per step (default: max_num_batched_tokens). "
@@ -343,8 +344,6 @@ class EngineOptions:
 # (its unit tests set them on SchedulerConfig), but an engine given them
 # would accept the option and silently do nothing, so engines refuse them.
 UNDELIVERED_SCHEDULER_OPTIONS = {
-    "async_scheduling": "not supported yet: the engine does not overlap steps "
-                        "(it schedules, executes and updates in turn)",
     "max_num_encoder_input_tokens": "not supported yet: no multimodal model can be served",
     "encoder_cache_size": "not supported yet: no multimodal model can be served",
     "disable_chunked_mm_input": "not supported yet: no multimodal model can be served",
@@ -358,6 +357,9 @@ def refuse_undelivered(scheduler: SchedulerConfig, speculative: SpeculativeConfi
     for name, reason in UNDELIVERED_SCHEDULER_OPTIONS.items():
         if getattr(scheduler, name) != getattr(defaults, name):
             raise ValueError(f"{name}: {reason}")
+    if speculative is not None and scheduler.async_scheduling:
+        raise ValueError("async_scheduling: not supported with speculative decoding yet "
+                         "(drafts need the tokens of the step in flight)")
     if speculative is not None and speculative.method not in DELIVERED_SPEC_METHODS:
         raise ValueError(f"method: speculative method {speculative.method!r} is not supported yet "
                          f"(supported: {', '.join(DELIVERED_SPEC_METHODS)})")

@@ -122,7 +122,8 @@ def assemble_engine(
     options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,
                                   cache=cache_config)
     # Last: the publisher binds its socket (None when KV cache events are off).
-    core = EngineCore(scheduler, runner, event_publisher=publisher_for(cache_config))
+    core = EngineCore(scheduler, runner, event_publisher=publisher_for(cache_config),
+                      async_scheduling=scheduler_config.async_scheduling)
     return Engine(core, tokenizer, model_config, options, max_model_len, grammar_backend)
 
 

@@ -7,6 +7,13 @@
 The runner is whatever executes a batch (the real model runner, or the
 simulator's); the engine core does not know which.
 
+With async scheduling the runner executes in a worker thread and the core
+keeps up to two steps in flight: it schedules step N+1 while step N runs
+(the scheduler counts N's tokens as output placeholders), then waits for N
+and absorbs it. Steps execute in order on the one worker, so step N+1 reads
+the tokens N sampled from the runner's own state, and blocks that a finish
+or a preemption frees while N runs are only reused by a later step.
+
 After every step the core takes the scheduler's KV-cache events and hands
 them to the event publisher as one batch, or drops them when it has none:
 events never pile up in the scheduler.
@@ -15,6 +22,8 @@ events never pile up in the scheduler.
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Iterable, Protocol
 
 from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput
@@ -22,6 +31,10 @@ from cadence.core.request import Request, RequestStatus
 from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.output import SchedulerOutput
 from cadence.engine.kv_events import KVEventBatch
+
+
+# Steps scheduled ahead of the one absorbed: the step running and the next one.
+MAX_STEPS_IN_FLIGHT = 2
 
 
 class Runner(Protocol):
@@ -43,11 +56,23 @@ class EngineCore:
         runner: Runner,
         *,
         event_publisher: EventPublisher | None = None,
+        async_scheduling: bool = False,
+        executor: Executor | None = None,
     ) -> None:
+        """``async_scheduling``: overlap scheduling with execution (the
+        scheduler must be configured for it too, to keep placeholders).
+        ``executor``: where steps execute then (default: one worker thread;
+        the simulator passes one that runs them at once)."""
         self.scheduler = scheduler
         self.runner = runner
         self.event_publisher = event_publisher
         self.num_steps = 0
+        self.async_scheduling = async_scheduling
+        self._executor = executor
+        if async_scheduling and executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="cadence-runner")
+        # Scheduled steps not absorbed yet, oldest first (async scheduling only).
+        self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         # Cache events are the Scheduler's, outside the scheduler contract.
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
@@ -61,12 +86,34 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        return bool(self.in_flight) or self.scheduler.has_requests()
 
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """Schedule, execute, update: outputs per client index."""
+        """Schedule, execute, update: outputs per client index.
+
+        With async scheduling: schedule until two steps are in flight (or a
+        step has nothing to compute), then absorb the oldest.
+        """
+        if self.async_scheduling:
+            return self._step_overlapped()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        self.num_steps += 1
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
+        return outputs
+
+    def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
+        in_flight = self.in_flight
+        while len(in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            in_flight.append((scheduler_output, self._executor.submit(self.runner.execute_model, scheduler_output)))
+            if not scheduler_output.total_num_scheduled_tokens:
+                break  # the next schedule would find the same: wait for results first
+        if not in_flight:
+            return {}
+        scheduler_output, future = in_flight.popleft()
+        runner_output = future.result()
         self.num_steps += 1
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
@@ -81,6 +128,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         try:
+            if self._executor is not None:
+                for _, future in self.in_flight:
+                    future.cancel()
+                self._executor.shutdown(wait=True)
             self.scheduler.shutdown()
         finally:
             if self.event_publisher is not None:

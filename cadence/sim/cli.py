@@ -67,6 +67,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="goodput SLO on time to first token, seconds (default: 2.0)")
     parser.add_argument("--slo-tpot", type=float, default=0.2, metavar="S",
                         help="goodput SLO on time per output token, seconds (default: 0.2)")
+    parser.add_argument("--charge-host-time", action="store_true",
+                        help="charge the engine loop's measured seconds per step on the virtual clock "
+                             "(the host's share: added to the model's time, or overlapped with it "
+                             "under --async-scheduling)")
     parser.add_argument("--out", metavar="DIR", help=f"write {SUMMARY_FILE} and PNG plots here")
 
 
@@ -123,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         write_trace(args.save_trace, specs)
     cost_model = make_cost_model(args.cost_model, args.model_config)
     results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model,
-                               policy_options=policy_options)
+                               policy_options=policy_options, charge_host_time=args.charge_host_time)
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     # Jain's index weighs each client's service by its fair share, for every policy alike.
     weights = _client_index_weights(policy_options["fair"].get("fair_client_weights"))

@@ -9,10 +9,15 @@ Each sampled token is ``FILLER_TOKEN_ID``. Output lengths come from the
 requests themselves: the simulator sends ``max_tokens = target`` with
 ``ignore_eos``, so the real scheduler's stop check ends each request at its
 target. The step's duration is ``cost_model.step_seconds(step_shape)``,
-left in ``last_step_seconds`` for the loop's virtual clock.
+left in ``last_step_seconds``, and queued in ``executed`` for the loop's
+virtual clock (with async scheduling a step executes one call of the loop
+before it is absorbed, so the clock takes the steps in order from there).
 """
 
 from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
 
 from cadence.core.outputs import ModelRunnerOutput
 from cadence.core.sched.output import SchedulerOutput
@@ -20,6 +25,12 @@ from cadence.core.testing import samples
 from cadence.sim.cost_model import CostModel, StepShape
 
 FILLER_TOKEN_ID = 0
+
+
+class ExecutedStep(NamedTuple):
+    seconds: float
+    shape: StepShape
+    num_preempted: int
 
 
 class SimRunner:
@@ -32,6 +43,7 @@ class SimRunner:
         self.last_step_seconds = 0.0
         self.last_shape = StepShape(0, 0, 0, 0)
         self.last_num_preempted = 0
+        self.executed: deque[ExecutedStep] = deque(maxlen=8)  # not yet taken by a clock
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = self._num_tokens
@@ -71,6 +83,7 @@ class SimRunner:
         self.last_shape = shape
         self.last_step_seconds = self.cost_model.step_seconds(shape)
         self.last_num_preempted = len(scheduler_output.preempted_req_ids)
+        self.executed.append(ExecutedStep(self.last_step_seconds, shape, self.last_num_preempted))
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(zip(req_ids, range(num_reqs))),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -31,9 +32,9 @@ from cadence.core.request import Request
 from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore
 from cadence.sampling_params import SamplingParams
-from cadence.sim.cost_model import CostModel
+from cadence.sim.cost_model import CostModel, StepShape
 from cadence.sim.metrics import SLO, MetricsRecorder, summarize
-from cadence.sim.runner import SimRunner
+from cadence.sim.runner import ExecutedStep, SimRunner
 from cadence.sim.workload import PromptMaker, RequestSpec
 
 
@@ -70,18 +71,42 @@ class RequestFactory:
 
 
 class VirtualClock:
-    """Advances by the simulated runner's cost of each step."""
+    """Advances by the simulated runner's cost of each step.
 
-    def __init__(self, runner: SimRunner) -> None:
+    With ``charge_host_time`` it also charges the host's share of a step: the
+    real seconds the engine loop spent in the step (scheduling, absorbing,
+    the simulated runner's bookkeeping), measured here as the host CPU's
+    work. A synchronous step costs host + model; with async scheduling the
+    host works while the model runs, so a step costs the slower of the two.
+    """
+
+    def __init__(self, runner: SimRunner, *, charge_host_time: bool = False,
+                 overlapped: bool = False, host_timer: Callable[[], float] = time.perf_counter) -> None:
         self.runner = runner
+        self.charge_host_time = charge_host_time
+        self.host_timer = host_timer
+        self.overlapped = overlapped
         self.now = 0.0
         self.busy_seconds = 0.0
+        self.host_seconds = 0.0
+        self._step_start = 0.0
+        self.last_step: ExecutedStep = ExecutedStep(0.0, StepShape(0, 0, 0, 0), 0)
 
     def read(self) -> float:
         return self.now
 
+    def before_step(self) -> None:
+        if self.charge_host_time:
+            self._step_start = self.host_timer()
+
     def after_step(self) -> float:
-        cost = self.runner.last_step_seconds
+        executed = self.runner.executed
+        self.last_step = step = executed.popleft() if executed else ExecutedStep(0.0, StepShape(0, 0, 0, 0), 0)
+        cost = step.seconds
+        if self.charge_host_time:
+            host = self.host_timer() - self._step_start
+            self.host_seconds += host
+            cost = max(cost, host) if self.overlapped else cost + host
         self.busy_seconds += cost
         self.now += cost
         return self.now
@@ -91,8 +116,8 @@ class VirtualClock:
 
     def check_progress(self, core: EngineCore) -> bool:
         """False when a step did nothing and nothing will change without an arrival."""
-        runner = self.runner
-        return bool(runner.last_shape.num_tokens or runner.last_num_preempted
+        step = self.last_step
+        return bool(step.shape.num_tokens or step.num_preempted or core.in_flight
                     or not core.scheduler.has_unfinished_requests())
 
 
@@ -101,6 +126,9 @@ class WallClock:
 
     def __init__(self) -> None:
         self._start = time.perf_counter()
+
+    def before_step(self) -> None:
+        pass
 
     def read(self) -> float:
         return time.perf_counter() - self._start
@@ -129,6 +157,9 @@ class CpuClock:
     def __init__(self) -> None:
         self._start = time.process_time()
         self._idle = 0.0
+
+    def before_step(self) -> None:
+        pass
 
     def read(self) -> float:
         return time.process_time() - self._start + self._idle
@@ -167,6 +198,7 @@ def drive(
             if pending:
                 clock.wait_until(specs[pending[0]].arrival_time)
             continue
+        clock.before_step()
         outputs = core.step()
         num_steps += 1
         now = clock.after_step()
@@ -237,6 +269,18 @@ def _gc_paused():
             gc.enable()
 
 
+class ImmediateExecutor(Executor):
+    """Runs each submitted call at once, in the caller's thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # the engine loop raises it from result()
+            future.set_exception(err)
+        return future
+
+
 class Simulator:
     """A real scheduler and engine core on a simulated runner and a virtual clock."""
 
@@ -247,7 +291,10 @@ class Simulator:
         cost_model: CostModel,
         *,
         prompt_maker: PromptMaker | None = None,
+        charge_host_time: bool = False,
     ) -> None:
+        """``charge_host_time``: charge the engine loop's measured seconds per
+        step on the virtual clock too (see ``VirtualClock``)."""
         if cache_config.num_gpu_blocks is None:
             if cache_config.kv_cache_memory is not None:
                 raise ValueError("kv_cache_memory: the simulator sizes the cache in blocks; give num_gpu_blocks")
@@ -260,8 +307,11 @@ class Simulator:
         # The policy reads the virtual clock (arrival times are on it).
         self.scheduler = Scheduler(scheduler_config, cache_config, clock=lambda: self.clock.now)
         self.runner = SimRunner(cost_model)
-        self.core = EngineCore(self.scheduler, self.runner)
-        self.clock = VirtualClock(self.runner)
+        overlapped = scheduler_config.async_scheduling
+        # Steps execute at once on submission: the clock, not a thread, overlaps them.
+        self.core = EngineCore(self.scheduler, self.runner, async_scheduling=overlapped,
+                               executor=ImmediateExecutor() if overlapped else None)
+        self.clock = VirtualClock(self.runner, charge_host_time=charge_host_time, overlapped=overlapped)
         self.factory = RequestFactory(prompt_maker or PromptMaker(), scheduler_config.max_model_len)
 
     def run(self, specs: Sequence[RequestSpec], label: str | None = None) -> SimResult:
@@ -289,6 +339,7 @@ def compare_policies(
     *,
     prompt_maker_factory: Callable[[], PromptMaker] = PromptMaker,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
+    charge_host_time: bool = False,
 ) -> dict[str, SimResult]:
     """The same specs (and so the same prompts) simulated under each policy.
 
@@ -301,6 +352,7 @@ def compare_policies(
         cleared = {name: getattr(defaults, name) for names in POLICY_OPTIONS.values() for name in names}
         own = dict((policy_options or {}).get(policy, {}))
         config = replace(scheduler_config, policy=policy, **{**cleared, **own})
-        simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory())
+        simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory(),
+                              charge_host_time=charge_host_time)
         results[policy] = simulator.run(specs, label=policy)
     return results

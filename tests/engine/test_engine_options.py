@@ -114,7 +114,6 @@ def test_dtype_defaults_to_auto_and_accepts_every_name():
 
 
 @pytest.mark.parametrize("option, value", [
-    ("async_scheduling", True),
     ("max_num_encoder_input_tokens", 512),
     ("encoder_cache_size", 1024),
     ("disable_chunked_mm_input", True),
@@ -126,6 +125,12 @@ def test_scheduler_options_no_engine_delivers_are_refused(option, value):
         EngineOptions.from_kwargs(**{option: value})
     with pytest.raises(ValueError, match=f"^{option}: not supported yet"):
         EngineOptions(EngineConfig(), SchedulerConfig(**{option: value}), CacheConfig())
+
+
+def test_async_scheduling_is_refused_with_speculative_decoding():
+    assert EngineOptions.from_kwargs(async_scheduling=True).scheduler.async_scheduling
+    with pytest.raises(ValueError, match="^async_scheduling: not supported with speculative decoding"):
+        EngineOptions.from_kwargs(async_scheduling=True, num_speculative_tokens=2, method="ngram")
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model", "medusa"])

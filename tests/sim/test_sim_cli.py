@@ -70,7 +70,6 @@ def test_building_the_parser_loads_neither_torch_nor_the_simulator():
 
 @pytest.mark.parametrize("flags, field", [
     (["--enable-kv-cache-events"], "enable_kv_cache_events"),
-    (["--async-scheduling"], "async_scheduling"),
 ])
 def test_options_the_simulator_would_ignore_are_refused(flags, field):
     args = parse(["simulate", "--num-requests", "4", *flags])

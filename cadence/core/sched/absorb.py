@@ -13,7 +13,7 @@ then applies the KV connector's finished transfers and builds the outputs
 per client, with the ids finished since the last step and the stats.
 
 Most requests of most steps are plain decodes (one token; no drafts,
-logprobs, grammar, async placeholders or fork): those take a short path
+logprobs, grammar or fork): those take a short path
 inline, since the loop runs once per request per step.
 """
 
@@ -53,7 +53,6 @@ class OutputAbsorber:
         *,
         max_model_len: int,
         num_spec_tokens: int,
-        async_scheduling: bool,
         log_stats: bool,
         connector: KVConnectorBase | None,
         structured_output_manager: StructuredOutputManager | None,
@@ -65,7 +64,6 @@ class OutputAbsorber:
         self.make_stats = make_stats
         self.max_model_len = max_model_len
         self.num_spec_tokens = num_spec_tokens
-        self.async_scheduling = async_scheduling
         self.log_stats = log_stats
         self.connector = connector
         self.structured_output_manager = structured_output_manager
@@ -96,6 +94,8 @@ class OutputAbsorber:
             new_token_ids = sampled_token_ids[index] if sampled_token_ids else []
             if plain_step and len(new_token_ids) == 1 and request.fork_point is None:
                 kv_transfer_params = None
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= 1
                 if append_token(request, new_token_ids[0], max_model_len):
                     num_stopped += 1
                     kv_transfer_params = free_request(request)
@@ -121,12 +121,13 @@ class OutputAbsorber:
         return self._make_engine_core_outputs(outputs, spec_stats)
 
     def _is_plain_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> bool:
-        """No drafts (verified or new), logprobs, grammars or async placeholders in
-        this step: a request that sampled one token needs no more than appending it."""
+        """No drafts (verified or new), logprobs or grammars in this step: a
+        request that sampled one token needs no more than appending it (and
+        taking back its async placeholder)."""
         return not (
             scheduler_output.scheduled_spec_decode_tokens or runner_output.spec_token_ids is not None
             or runner_output.logprobs is not None or runner_output.prompt_logprobs_dict
-            or scheduler_output.structured_output_request_ids or self.async_scheduling
+            or scheduler_output.structured_output_request_ids
         )
 
     def _update_request(

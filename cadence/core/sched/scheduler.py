@@ -150,7 +150,6 @@ class Scheduler(SchedulerInterface):
             self.lifecycle, self.finished_recving_kv_req_ids, self.make_stats,
             max_model_len=self.max_model_len,
             num_spec_tokens=self.num_spec_tokens,
-            async_scheduling=self.async_scheduling,
             log_stats=log_stats,
             connector=kv_connector,
             structured_output_manager=structured_output_manager,
@@ -246,9 +245,13 @@ class Scheduler(SchedulerInterface):
         """Limits of a parent waiting to fork (n > 1) and of async placeholders."""
         if request.fork_point is not None:
             num_new = min(num_new, request.fork_point - request.num_computed_tokens)
-        if request.num_output_placeholders and request.max_tokens is not None:
-            # Async: the tokens in flight may already reach max_tokens.
-            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+        if request.num_output_placeholders:
+            # Async: the tokens in flight may already reach max_tokens; and a
+            # grammar's mask needs the token in flight, so it waits for it.
+            if request.max_tokens is not None and \
+                    request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                return 0
+            if request.structured_output_request is not None:
                 return 0
         return num_new
 
