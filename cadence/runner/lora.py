@@ -127,10 +127,5 @@ def _shard_sizes(linear: Linear) -> tuple[int, ...]:
 
 
 def _check_request(lora: LoRARequest) -> None:
-    if not isinstance(lora, LoRARequest):
+    if not isinstance(lora, LoRARequest):  # (its fields check themselves)
         raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora).__name__}")
-    if isinstance(lora.lora_int_id, bool) or not isinstance(lora.lora_int_id, int) \
-            or lora.lora_int_id < 1:
-        raise ValueError(f"lora_request: lora_int_id must be an integer >= 1, got {lora.lora_int_id!r}")
-    if not lora.lora_name:
-        raise ValueError("lora_request: lora_name must not be empty")
