@@ -89,8 +89,9 @@ def main() -> int:
         mixed = [adapters[i % NUM_ADAPTERS] for i in range(args.batch)]
         configs = {"base": (base, None), "lora, base rows": (lora, None),
                    "lora, 4 mixed": (lora, mixed)}
+        warm = min(args.batch, NUM_ADAPTERS)
         for llm, loras in configs.values():  # warm-up (adapters loaded, kernels built)
-            run_once(llm, min(args.batch, 4), 4, loras)
+            run_once(llm, warm, 4, loras[:warm] if loras else None)
         figures: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(args.repeats):
             for name, (llm, loras) in configs.items():
