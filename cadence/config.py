@@ -254,13 +254,27 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """LoRA adapters served beside the base model."""
+    """LoRA adapters served beside the base model (PEFT folders)."""
 
+    enable_lora: bool = option(
+        False, "Serve LoRA adapters: each request may name one (or none: the base model).")
     max_loras: int = option(1, "Most distinct adapters in one batch.")
-    max_lora_rank: int = option(16, "Largest adapter rank.")
+    max_lora_rank: int = option(16, "Largest adapter rank; an adapter of a higher rank is refused.")
+    max_cpu_loras: int | None = option(
+        None, "Adapters kept loaded in memory (default: max_loras); beyond it the least "
+              "recently used adapter that no request holds is unloaded (loaded again from its "
+              "path when a request names it).")
 
     def __post_init__(self) -> None:
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        if self.max_cpu_loras is not None:
+            _require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", "must be >= max_loras")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """How many adapters stay loaded (max_cpu_loras, or max_loras by default)."""
+        return self.max_cpu_loras or self.max_loras
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -310,6 +324,7 @@ class EngineOptions:
     scheduler: SchedulerConfig
     cache: CacheConfig
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA disabled
 
     def __post_init__(self) -> None:
         refuse_undelivered(self.scheduler, self.speculative)
@@ -318,10 +333,12 @@ class EngineOptions:
     def from_kwargs(cls, **options: Any) -> "EngineOptions":
         """Route flat keyword options (as ``LLM(...)`` or the CLI take them) to their class.
 
-        ``num_speculative_tokens`` > 0 turns speculative decoding on.
+        ``num_speculative_tokens`` > 0 turns speculative decoding on;
+        ``enable_lora`` turns LoRA on (its other options are refused without it).
         """
         groups: dict[type, dict[str, Any]] = {
-            EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}
+            EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {},
+            LoRAConfig: {},
         }
         for name, value in options.items():
             owner = next((c for c in groups if name in field_names(c)), None)
@@ -337,7 +354,20 @@ class EngineOptions:
             scheduler=SchedulerConfig(**groups[SchedulerConfig]),
             cache=CacheConfig(**groups[CacheConfig]),
             speculative=speculative,
+            lora=lora_config_of(groups[LoRAConfig]),
         )
+
+
+def lora_config_of(options: dict[str, Any]) -> LoRAConfig | None:
+    """The LoRA options given, or None when ``enable_lora`` is not set (then any
+    other LoRA option is a mistake: it would be silently ignored)."""
+    if options.get("enable_lora"):
+        return LoRAConfig(**options)
+    defaults = LoRAConfig()
+    for name, value in options.items():
+        if name != "enable_lora" and value != getattr(defaults, name):
+            raise ValueError(f"{name}: applies with enable_lora (--enable-lora) only")
+    return None
 
 
 # Scheduler features no runner delivers yet. The scheduler implements them

@@ -16,9 +16,11 @@ import types
 import typing
 from typing import Any
 
-from cadence.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, field_names
+from cadence.config import (
+    CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, field_names,
+)
 
-ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
+ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig, LoRAConfig)
 
 
 def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:
@@ -33,6 +35,9 @@ def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CL
             if base is bool:
                 group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
+            elif base is tuple:  # tuple[str, ...]: one or more values, the flag repeatable
+                group.add_argument(flag, dest=field.name, nargs="+", action="extend", type=str,
+                                   default=argparse.SUPPRESS, metavar="VALUE", help=help_text)
             else:
                 group.add_argument(flag, dest=field.name, type=base, default=argparse.SUPPRESS,
                                    metavar=base.__name__.upper(), help=help_text)
@@ -45,8 +50,8 @@ def options_of(args: argparse.Namespace, classes=ENGINE_OPTION_CLASSES) -> dict[
 
 
 def _base_type(annotation: Any) -> type:
-    """int for ``int | None``, etc."""
+    """int for ``int | None``, tuple for ``tuple[str, ...]``, etc."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0]
-    return annotation
+        return _base_type(args[0])
+    return typing.get_origin(annotation) or annotation

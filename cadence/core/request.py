@@ -88,6 +88,15 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str = ""
 
+    def __post_init__(self) -> None:
+        lora_id = self.lora_int_id
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+            raise ValueError(f"lora_request: lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("lora_request: lora_name must be a non-empty string")
+        if not isinstance(self.lora_path, str):
+            raise ValueError(f"lora_request: lora_path must be a string, got {self.lora_path!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class PlaceholderRange:

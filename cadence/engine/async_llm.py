@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
-from cadence.core.request import Request
+from cadence.core.request import LoRARequest, Request
 from cadence.engine.core_proc import start_engine_process
 from cadence.engine.inputs import make_request
 from cadence.engine.output_processor import OutputProcessor
@@ -347,6 +347,7 @@ class AsyncLLM:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, priority: int = 0, user: str | None = None,
         slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
 
@@ -363,7 +364,8 @@ class AsyncLLM:
         self.check_structured_outputs(params)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
                                self.info.max_model_len, priority=priority, user=user,
-                               slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+                               slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+                               lora_request=lora_request)
         self.check_can_ever_admit(params.n)
         self._check_queue(params.n)
         message = encode(ADD, EngineCoreRequest.from_request(request))
@@ -429,6 +431,23 @@ class AsyncLLM:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._utility_futures.pop(call_id, None)
+
+    async def add_lora(self, lora_request: LoRARequest, timeout_s: float = 120.0) -> bool:
+        """Load an adapter in the engine process (True: loaded now, False: it was);
+        ValueError naming what is wrong with it (the engine goes on)."""
+        try:
+            return await self.call_utility("add_lora", lora_request.lora_name,
+                                           lora_request.lora_int_id, lora_request.lora_path,
+                                           timeout_s=timeout_s)
+        except RuntimeError as err:
+            message = str(err)
+            if message.startswith("ValueError: "):
+                raise ValueError(message.removeprefix("ValueError: ")) from None
+            raise
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (once the requests using it finish); False if not loaded."""
+        return await self.call_utility("remove_lora", lora_int_id)
 
     def _check_queue(self, num_seqs: int) -> None:
         # Sequences beyond max_num_seqs cannot run: they wait in the engine's queue.

@@ -105,6 +105,7 @@ def assemble_engine(
             engine_config.structured_outputs_backend, tokenizer, model_config.vocab_size)
     scheduler = Scheduler(
         scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True,
+        lora_config=options.lora,
         structured_output_manager=(StructuredOutputManager(grammar_backend)
                                    if grammar_backend is not None else None),
     )
@@ -113,7 +114,7 @@ def assemble_engine(
             model, model_config, block_size=cache_config.block_size, num_blocks=num_blocks,
             dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
             device=device, speculative_config=options.speculative,
-            sliding_window=scheduler_config.sliding_window,
+            sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
         )
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
@@ -141,7 +142,7 @@ def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, l
         model, model_config, block_size=cache.block_size, num_blocks=1, dtype=dtype,
         max_num_seqs=scheduler_config.max_num_seqs, max_model_len=scheduler_config.max_model_len,
         device=device, speculative_config=options.speculative,
-        sliding_window=scheduler_config.sliding_window,
+        sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
     )
     if cache.num_gpu_blocks is not None:
         num_blocks = cache.num_gpu_blocks
@@ -161,7 +162,10 @@ def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, l
         raise ValueError("gpu_memory_utilization: no room left for one KV block after the "
                          "weights and activations; raise it or shorten max_num_batched_tokens")
     runner.allocate_kv_cache(num_blocks)
-    if not options.engine.enforce_eager:
+    if options.lora is not None and not options.engine.enforce_eager:
+        # A graph would replay one step's adapter mapping: LoRA steps run eagerly.
+        print("cadence: CUDA graphs off: LoRA adapters are applied eagerly", file=log)
+    elif not options.engine.enforce_eager:
         sizes = default_capture_sizes(scheduler_config.max_num_seqs)
         runner.capture_cuda_graphs(sizes)
         print(f"cadence: CUDA graphs captured for decode batches of {sizes[0]}..{sizes[-1]} "

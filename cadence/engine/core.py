@@ -27,7 +27,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Iterable, Protocol
 
 from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput
-from cadence.core.request import Request, RequestStatus
+from cadence.core.request import LoRARequest, Request, RequestStatus
 from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.output import SchedulerOutput
 from cadence.engine.kv_events import KVEventBatch
@@ -77,7 +77,25 @@ class EngineCore:
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one)."""
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         self.scheduler.add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in the runner (once); True if loaded now."""
+        add_lora = getattr(self.runner, "add_lora", None)
+        if add_lora is None:
+            raise ValueError("lora_request: this engine's runner serves no LoRA adapters")
+        return add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        remove_lora = getattr(self.runner, "remove_lora", None)
+        return remove_lora is not None and remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        list_loras = getattr(self.runner, "list_loras", None)
+        return list_loras() if list_loras is not None else []
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

@@ -28,6 +28,7 @@ import zmq
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, PrefixCacheStats
+from cadence.core.request import LoRARequest
 from cadence.core.sched.slo import SLOUnattainable
 from cadence.engine import wire
 
@@ -186,7 +187,17 @@ class EngineCoreProc:
             return self.core.reset_prefix_cache()  # publishes AllBlocksCleared at once
         if method == "ping":
             return "pong"
+        if method in ("add_lora", "remove_lora", "list_loras"):
+            return self._lora_utility(method, *args)
         raise ValueError(f"method: unknown utility {method!r}")
+
+    def _lora_utility(self, method: str, *args: Any) -> Any:
+        """add_lora(name, int_id, path) -> loaded now; remove_lora(int_id); list_loras()."""
+        if method == "add_lora":
+            return self.core.add_lora(LoRARequest(*args))
+        if method == "remove_lora":
+            return self.core.remove_lora(*args)
+        return self.core.list_loras()
 
     def _check_parent(self) -> None:
         if os.getppid() != self._parent_pid:  # the front end is gone: nobody reads us

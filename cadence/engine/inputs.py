@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Union
 
-from cadence.core.request import Request
+from cadence.core.request import LoRARequest, Request
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
 
@@ -42,11 +42,14 @@ def make_request(
     user: str | None = None,
     slo_ttft_s: float | None = None,
     slo_tpot_s: float | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> Request:
     """A validated core request (prompt length checked against the context).
 
-    ``user`` names the client for the ``fair`` policy (OpenAI's ``user`` field).
+    ``user`` names the client for the ``fair`` policy (OpenAI's ``user`` field);
+    ``lora_request`` the adapter it runs under (None: the base model).
     """
+    check_lora_request(lora_request)
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_LEN):
         raise ValueError(f"user: must be a string of at most {MAX_USER_LEN} characters")
     for name, target in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
@@ -70,4 +73,14 @@ def make_request(
         request_id, token_ids, params, eos_token_id=eos, priority=priority,
         client_index=client_index, arrival_time=time.time() if arrival_time is None else arrival_time,
         max_model_len=max_model_len, tenant=user, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+        lora_request=lora_request,
     )
+
+
+def check_lora_request(lora_request: LoRARequest | None) -> None:
+    """ValueError naming ``lora_request`` unless it is None or a ``LoRARequest`` (which
+    checks its own fields)."""
+    if lora_request is None:
+        return
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")

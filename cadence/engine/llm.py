@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import SpecDecodingStats
+from cadence.core.request import LoRARequest
 from cadence.engine.builder import Engine, build_engine
 from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
 from cadence.engine.output_processor import OutputProcessor
@@ -49,18 +50,22 @@ class LLM:
         *,
         use_tqdm: bool = True,
         user: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One final output per prompt, in order. Prompts are strings or
         ``{"prompt_token_ids": [...]}``; invalid input raises ValueError before
         anything runs. ``user``: the client of every prompt, or one per prompt
-        (what the ``fair`` policy shares the engine between)."""
+        (what the ``fair`` policy shares the engine between). ``lora_request``:
+        the adapter of every prompt, or one per prompt (None: the base model);
+        adapters are loaded before anything runs (needs ``enable_lora``)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), sampling_params)
-        users = [user] * len(prompts) if user is None or isinstance(user, str) else list(user)
-        if len(users) != len(prompts):
-            raise ValueError("user: need one per prompt, or a single one for all")
-        requests = self._make_requests(prompts, params_list, users)
+        users = _one_per_prompt("user", user, len(prompts), str)
+        loras = _one_per_prompt("lora_request", lora_request, len(prompts), LoRARequest)
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            self.engine.core.add_lora(lora)
+        requests = self._make_requests(prompts, params_list, users, loras)
         for request, text in requests:
             self._processor.add_request(request.request_id, text, request.prompt_token_ids, request.sampling_params)
             self.engine.core.add_request(request)
@@ -74,6 +79,7 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
         user: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Like ``generate`` for conversations, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -81,7 +87,8 @@ class LLM:
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, user=user)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, user=user,
+                             lora_request=lora_request)
 
     def _params_for(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
@@ -92,15 +99,15 @@ class LLM:
             raise ValueError("sampling_params: need one per prompt, or a single one for all")
         return list(sampling_params)
 
-    def _make_requests(self, prompts, params_list, users):
+    def _make_requests(self, prompts, params_list, users, loras):
         requests = []
-        for prompt, params, user in zip(prompts, params_list, users):
+        for prompt, params, user, lora in zip(prompts, params_list, users, loras):
             if params.structured_outputs is not None and self.engine.grammar_backend is not None:
                 self.engine.grammar_backend.check(params.structured_outputs)
             text, token_ids = prompt_token_ids(prompt, self.tokenizer)
             request = make_request(
                 str(next(self._ids)), token_ids, params, self.tokenizer, self.engine.max_model_len,
-                user=user,
+                user=user, lora_request=lora,
             )
             requests.append((request, text))
         return requests
@@ -133,3 +140,13 @@ class LLM:
                 if self.spec_decoding_stats is None:
                     self.spec_decoding_stats = SpecDecodingStats.new(spec.num_spec_tokens)
                 self.spec_decoding_stats.add(spec)
+
+
+def _one_per_prompt(name: str, value: Any, num_prompts: int, single: type) -> list:
+    """``value`` for every prompt (None or one ``single``), or its items, one per prompt."""
+    if value is None or isinstance(value, single):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"{name}: need one per prompt, or a single one for all")
+    return values

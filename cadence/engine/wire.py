@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from cadence.core.outputs import EngineCoreOutputs
-from cadence.core.request import Request
+from cadence.core.request import LoRARequest, Request
 from cadence.sampling_params import SamplingParams
 
 # Front end -> engine.
@@ -39,18 +39,20 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     tenant: str | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
                    request.eos_token_id, request.arrival_time, request.priority, request.tenant,
-                   request.slo_ttft_s, request.slo_tpot_s)
+                   request.slo_ttft_s, request.slo_tpot_s, request.lora_request)
 
     def to_request(self, max_model_len: int) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
                        priority=self.priority, max_model_len=max_model_len, tenant=self.tenant,
-                       slo_ttft_s=self.slo_ttft_s, slo_tpot_s=self.slo_tpot_s)
+                       slo_ttft_s=self.slo_ttft_s, slo_tpot_s=self.slo_tpot_s,
+                       lora_request=self.lora_request)
 
 
 class EngineReady(msgspec.Struct, gc=False):

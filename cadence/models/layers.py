@@ -16,6 +16,7 @@ from cadence.models import packed_weights
 
 if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps
+    from cadence.models.lora_layers import LinearLoRA
 
 
 def _empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -37,19 +38,25 @@ class Linear(torch.nn.Module):
     """``y = x @ W.T (+ b)`` with W [out_features, in_features].
 
     After ``pack()`` (CPU only, see ``packed_weights``) the product runs on
-    oneDNN's packed copy and ``weight`` is left empty.
+    oneDNN's packed copy and ``weight`` is left empty. With LoRA adapters
+    (``lora``, see ``lora_layers``) each token's adapter delta is added to
+    whichever product ran.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = _empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = _empty_parameter(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.lora: LinearLoRA | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_weights.packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = packed_weights.packed_linear(x, self.packed_weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def pack(self) -> bool:
         """Move the weight into oneDNN's packed layout; False where it cannot be."""

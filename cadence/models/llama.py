@@ -206,6 +206,20 @@ class LlamaForCausalLM(torch.nn.Module):
                          for shard in shards)
         return names
 
+    def projection(self, name: str) -> tuple[Linear, int]:
+        """The layer computing Hugging Face projection ``name`` (e.g.
+        ``model.layers.0.self_attn.k_proj``) and the shard of its output that
+        holds it (0 for an unfused layer); ValueError when the model has none."""
+        parent, _, leaf = name.rpartition(".")
+        fused = _SHARD_TO_FUSED.get(leaf)
+        try:
+            module = self.get_submodule(f"{parent}.{fused}" if fused else name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, Linear):
+            raise ValueError(f"the model has no linear layer {name!r}")
+        return module, (module.shard_names.index(leaf) if fused else 0)
+
     def _destination(self, name: str) -> torch.Tensor:
         """The rows of our parameter that checkpoint tensor ``name`` fills."""
         parent, shard, kind = _split_param_name(name)

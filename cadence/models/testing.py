@@ -71,3 +71,43 @@ def hf_checkpoint(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         for shard, rows in zip(module.shard_names, param.detach().split(module.shard_sizes)):
             checkpoint[f"{parent}.{shard}.{kind}"] = rows.clone()
     return checkpoint
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(folder: str, config: ModelConfig, *, rank: int = 8, alpha: int = 16,
+                         targets: tuple[str, ...] = LORA_TARGETS, seed: int = 0,
+                         std: float = 0.02) -> None:
+    """A random LoRA adapter for a model of ``config``, in PEFT's format (the
+    files ``save_pretrained`` writes), without building the model: for tests
+    and benchmarks on models too large to build twice."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    attention_out = config.num_attention_heads * config.head_dim
+    kv_out = config.num_key_value_heads * config.head_dim
+    shapes = {  # module -> (in, out)
+        "q_proj": (config.hidden_size, attention_out), "k_proj": (config.hidden_size, kv_out),
+        "v_proj": (config.hidden_size, kv_out), "o_proj": (attention_out, config.hidden_size),
+        "gate_proj": (config.hidden_size, config.intermediate_size),
+        "up_proj": (config.hidden_size, config.intermediate_size),
+        "down_proj": (config.intermediate_size, config.hidden_size),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for target in targets:
+            group = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{group}.{target}"
+            fan_in, fan_out = shapes[target]
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * std
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                   "target_modules": list(targets), "bias": "none", "use_dora": False,
+                   "use_rslora": False, "task_type": "CAUSAL_LM"}, f)

@@ -48,6 +48,7 @@ class RequestState:
     num_prompt_logprobs_sent: int = 0
     eos_token_id: int | None = None
     draft_gate: "DraftGate | None" = None  # whether to draft for it (speculative decoding)
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
     @property
     def min_tokens_pending(self) -> bool:

@@ -37,12 +37,14 @@ from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
+from cadence.runner.lora import LoRAManager
 from cadence.runner.ngram_drafter import NgramDrafter
 from cadence.runner.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from cadence.runner.sampling_metadata import SamplingMetadata, make_generator
 
 if TYPE_CHECKING:
-    from cadence.config import SpeculativeConfig
+    from cadence.config import LoRAConfig, SpeculativeConfig
+    from cadence.core.request import LoRARequest
     from cadence.models.config import ModelConfig
 
 
@@ -64,13 +66,15 @@ class ModelRunner:
         cpu_paths: CpuPaths | None = None,
         sliding_window: int | None = None,
         attention_backend: str | None = None,
+        lora_config: "LoRAConfig | None" = None,
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
         can do, ``CpuPaths.plain()`` for plain PyTorch. ``sliding_window``: the
         attention window (default: the model's own). ``attention_backend``:
         ``triton`` (the default on a GPU; on the CPU only under
-        ``TRITON_INTERPRET=1``, for tests) or ``cpu`` (the default on the CPU)."""
+        ``TRITON_INTERPRET=1``, for tests) or ``cpu`` (the default on the CPU).
+        ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -107,6 +111,7 @@ class ModelRunner:
                             else None)
         self.attention_kernel = None
         self.cpu_paths = None
+        self.lora = LoRAManager(model, lora_config, dtype, self.device) if lora_config else None
         if self.device.type == "cpu":
             keep_freed_memory()
             self.cpu_paths = choose_cpu_paths(dtype) if cpu_paths is None else cpu_paths
@@ -198,6 +203,11 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
+        if self.lora is not None:
+            states = self.input_batch.states
+            seq_lora_ids = np.fromiter((states[row].lora_int_id for row in step.rows),
+                                       dtype=np.int64, count=len(step.rows))
+            self.lora.set_step(seq_lora_ids, step.num_scheduled)
         start = time.perf_counter()
         with torch.inference_mode():
             hidden, logits_indices = self._forward(step)  # [T, hidden], [N]
@@ -256,6 +266,8 @@ class ModelRunner:
         for req_id in scheduler_output.preempted_req_ids:
             if req_id in batch:
                 batch.remove(req_id)  # state kept: it comes back resumed
+        if self.lora is not None and scheduler_output.finished_req_ids:
+            self.lora.collect(self._loras_in_use())
         for new_req in scheduler_output.scheduled_new_reqs:
             self._add_new_request(new_req)
         cached = scheduler_output.scheduled_cached_reqs
@@ -275,9 +287,35 @@ class ModelRunner:
             output_token_ids=list(new_req.output_token_ids),
             eos_token_id=new_req.eos_token_id,
             draft_gate=self._draft_gate_for(new_req.req_id),
+            lora_int_id=self._lora_id_of(new_req),
         )
         self.requests[new_req.req_id] = state
         self.input_batch.add(state)
+
+    # ------------------------------------------------------------ LoRA
+
+    def add_lora(self, lora_request: "LoRARequest") -> bool:
+        """Load an adapter (once; ValueError naming what is wrong with it). True: loaded now."""
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora)")
+        return self.lora.add_lora(lora_request, self._loras_in_use())
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (once no request uses it); False if it was not loaded."""
+        return self.lora is not None and self.lora.remove_lora(lora_int_id, self._loras_in_use())
+
+    def list_loras(self) -> list[int]:
+        return self.lora.lora_ids if self.lora is not None else []
+
+    def _loras_in_use(self) -> set[int]:
+        return {state.lora_int_id for state in self.requests.values() if state.lora_int_id}
+
+    def _lora_id_of(self, new_req: NewRequestData) -> int:
+        """The request's adapter id, its adapter loaded again if it was unloaded meanwhile."""
+        if new_req.lora_request is None:
+            return 0
+        self.add_lora(new_req.lora_request)
+        return new_req.lora_request.lora_int_id
 
     def _draft_gate_for(self, req_id: str) -> DraftGate | None:
         """A request sent anew after preemption keeps its gate (its acceptance so far)."""

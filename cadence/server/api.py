@@ -35,14 +35,16 @@ from fastapi.responses import JSONResponse, Response
 from cadence.config import EngineOptions
 from cadence.engine.async_llm import AsyncLLM
 from cadence.models.default_model import model_name_of
-from cadence.server.config import ServerConfig
-from cadence.server.errors import ModelNotFound, error_response, install_error_handlers
+from cadence.server.adapters import ServedModels
+from cadence.server.config import ServerConfig, parse_lora_modules
+from cadence.server.errors import error_response, install_error_handlers
 from cadence.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from cadence.server.middleware import (
     ApiKeyMiddleware, BodyLimitMiddleware, GateMiddleware, RequestGate,
 )
 from cadence.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+    TokenizeRequest, UnloadLoRAAdapterRequest,
 )
 from cadence.server.serving import OpenAIServing
 
@@ -55,6 +57,7 @@ class ServerState:
     """What the routes share: the engine client, the metrics, the model's name, the gate."""
 
     def __init__(self, config: ServerConfig, options: EngineOptions) -> None:
+        self.lora_modules = lora_modules_of(config, options)  # checked before anything starts
         self.config = config
         self.options = options
         self.model_name = config.served_model_name or model_name_of(options.engine.model)
@@ -65,9 +68,13 @@ class ServerState:
                                      tool_call_parser=config.tool_call_parser)
         self.gate = RequestGate()
         self.created = int(time.time())
+        self.models = ServedModels(self.llm, self.model_name,
+                                   options.engine.model or self.model_name)
 
     async def start(self) -> None:
         await self.llm.start(self.options, self.model_name)
+        for name, path in self.lora_modules:  # a bad adapter stops the start, saying why
+            await self.models.load(name, path)
 
     async def stop(self) -> None:
         await self.llm.shutdown()
@@ -86,8 +93,17 @@ class ServerState:
                            self.gate.num_in_flight, FLUSH_TIMEOUT_S)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFound(model)
+        """404 unless ``model`` is absent, the base model or a served adapter."""
+        self.models.resolve(model)
+
+
+def lora_modules_of(config: ServerConfig, options: EngineOptions) -> list[tuple[str, str]]:
+    """(name, path) of --lora-modules; ValueError if adapters are asked of an engine without LoRA."""
+    modules = parse_lora_modules(config.lora_modules)
+    if (modules or config.allow_runtime_lora_updating) and options.lora is None:
+        name = "lora_modules" if modules else "allow_runtime_lora_updating"
+        raise ValueError(f"{name}: serving LoRA adapters needs --enable-lora")
+    return modules
 
 
 def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
@@ -123,20 +139,16 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "cadence", "root": options.engine.model or state.model_name,
-                "max_model_len": llm.info.max_model_len if llm.info else None}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = state.models.cards(state.created, llm.info.max_model_len if llm.info else None)
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        state.check_model(body.model)
-        return await serving.completions(body, raw)
+        return await serving.completions(body, raw, state.models.resolve(body.model))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        state.check_model(body.model)
-        return await serving.chat(body, raw)
+        return await serving.chat(body, raw, state.models.resolve(body.model))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
@@ -161,7 +173,25 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    if config.allow_runtime_lora_updating:
+        add_lora_routes(app, state.models)
     return app
+
+
+def add_lora_routes(app: FastAPI, models: ServedModels) -> None:
+    """vLLM's runtime adapter endpoints; a bad adapter is a 400 and the server goes on."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        await models.load(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        await models.unload(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
 
 class GracefulServer(uvicorn.Server):

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from cadence.config_cli import add_config_options, options_of
-from cadence.server.config import API_KEY_ENV, ServerConfig
+from cadence.server.config import API_KEY_ENV, ServerConfig, runtime_lora_from_env
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -51,6 +51,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     values = options_of(args, (ServerConfig,))
     if "api_key" not in values and os.environ.get(API_KEY_ENV):
         values["api_key"] = os.environ[API_KEY_ENV]
+    if "allow_runtime_lora_updating" not in values and runtime_lora_from_env():
+        values["allow_runtime_lora_updating"] = True
     return ServerConfig(**values)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 from cadence.config import _require, option
@@ -9,6 +11,8 @@ from cadence.config import _require, option
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 TOOL_CALL_PARSERS = ("hermes",)  # cadence.server.tool_calls.AUTO_TOOL_PARSERS
 API_KEY_ENV = "CADENCE_API_KEY"
+# vLLM's switch for the runtime adapter endpoints, honoured too.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,16 @@ class ServerConfig:
               "requests get 503 meanwhile); those still running then end with an error. A "
               "second signal ends them at once.")
 
+    lora_modules: tuple[str, ...] = option(
+        (), "LoRA adapters served from the start, as name=path (PEFT folders) or JSON "
+            "'{\"name\": ..., \"path\": ...}'; several after one flag or the flag repeated. "
+            "A request picks one by its model field. Needs --enable-lora.")
+    allow_runtime_lora_updating: bool = option(
+        False, "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else 404). "
+               f"Also set by {RUNTIME_LORA_ENV}=true.")
+
     def __post_init__(self) -> None:
+        parse_lora_modules(self.lora_modules)
         _require(0 <= self.port < 65536, "port", "must be in [0, 65536)")
         _require(self.max_num_queued_requests >= 0, "max_num_queued_requests", "must be >= 0")
         _require(self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
@@ -60,3 +73,28 @@ class ServerConfig:
         _require(self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
+
+
+def parse_lora_modules(items: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(name, path) of each ``name=path`` or ``{"name": ..., "path": ...}``; names unique."""
+    modules: list[tuple[str, str]] = []
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except ValueError as err:
+                raise ValueError(f"lora_modules: cannot read {item!r} as JSON: {err}") from None
+            name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+        else:
+            name, _, path = item.partition("=")
+        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path:
+            raise ValueError(f"lora_modules: expected name=path or JSON with name and path, "
+                             f"got {item!r}")
+        if any(name.strip() == known for known, _ in modules):
+            raise ValueError(f"lora_modules: the name {name.strip()!r} is given twice")
+        modules.append((name.strip(), path))
+    return modules
+
+
+def runtime_lora_from_env() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on")

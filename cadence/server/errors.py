@@ -4,7 +4,7 @@ Every failure a request can meet maps to one status here:
 
     ValueError("field: ...")          400  param = field (SamplingParams, prompts)
     request validation (pydantic)     400  param = the offending field; malformed JSON too
-    unknown model                     404  param = "model"
+    unknown model (or LoRA adapter)   404  param = "model" ("lora_name" for an unload)
     QueueFullError                    429
     GenerationFailed (engine died)    500  for requests that were in flight
     EngineDeadError                   503  for new requests, and /health
@@ -39,8 +39,11 @@ logger = logging.getLogger("cadence.server")
 
 
 class ModelNotFound(Exception):
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.")
+    """A model (or LoRA adapter) name the server does not serve: 404, ``param`` the field."""
+
+    def __init__(self, model: str, param: str = "model", message: str | None = None) -> None:
+        super().__init__(message or f"The model `{model}` does not exist.")
+        self.param = param
 
 
 class GenerationFailed(RuntimeError):
@@ -143,7 +146,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ModelNotFound)
     async def _model(_: Request, err: ModelNotFound) -> JSONResponse:
-        return error_response(404, str(err), "model")
+        return error_response(404, str(err), err.param)
 
     @app.exception_handler(QueueFullError)
     async def _queue(_: Request, err: QueueFullError) -> JSONResponse:

@@ -80,6 +80,11 @@ _NOT_YET_SUPPORTED: dict[str, Any] = {
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
     "lora_request": None, "mm_processor_kwargs": None, "kv_transfer_params": None,
 }
+# Why a field of _NOT_YET_SUPPORTED is refused, where "not supported yet" would mislead.
+_REFUSAL_REASONS = {
+    "lora_request": "not accepted in a request body: name a served LoRA adapter in the model "
+                    "field (GET /v1/models lists them)",
+}
 _CHAT_NOT_YET_SUPPORTED: dict[str, Any] = {
     "echo": False, "continue_final_message": False, "documents": None, "chat_template": None,
 }
@@ -112,7 +117,7 @@ def _refuse_unsupported(data: Any, table: dict[str, Any]) -> None:
         value = data.get(name)
         if value is None or value == neutral or value in ({}, []):
             continue
-        raise ValueError(f"{name}: not supported yet")
+        raise ValueError(f"{name}: {_REFUSAL_REASONS.get(name, 'not supported yet')}")
 
 
 class _Sampling(BaseModel):
@@ -368,3 +373,19 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (with --allow-runtime-lora-updating), as vLLM's."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter; ``lora_int_id`` is accepted (vLLM's field) and unused."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from cadence.core.request import LoRARequest
 from cadence.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from cadence.engine.inputs import prompt_token_ids
 from cadence.engine.outputs import RequestOutput
@@ -58,7 +59,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ completions
 
-    async def completions(self, body: CompletionRequest, raw: Request):
+    async def completions(self, body: CompletionRequest, raw: Request,
+                          lora_request: LoRARequest | None = None):
+        """``lora_request``: the adapter the request's model field named (None: the base)."""
         self._check_n(body.n)
         params = body.to_sampling_params()
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -67,12 +70,13 @@ class OpenAIServing:
         for _, token_ids in prompts:
             check_fits_context(len(token_ids), params, self._max_model_len)
         self.llm.check_can_ever_admit(params.n * len(prompts))
-        streams = self._submit(request_id, prompts, params, body)
+        streams = self._submit(request_id, prompts, params, body, lora_request)
         created = int(time.time())
+        model = self._served_name(lora_request)
         if body.stream:
             await self._wait_accepted(streams)
             chunks = self._completion_chunks(request_id, created, streams, params.n,
-                                             body.include_usage)
+                                             body.include_usage, model)
             return event_stream(chunks, streams)
         finals = await collect(streams, raw)
         choices = []
@@ -85,7 +89,7 @@ class OpenAIServing:
                 })
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created,
-            "model": self.model_name, "choices": choices, "usage": usage(finals),
+            "model": model, "choices": choices, "usage": usage(finals),
         })
 
     def _completion_prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -102,12 +106,12 @@ class OpenAIServing:
             raise ValueError("prompt:" + str(err).split(":", 1)[1]) from None
 
     async def _completion_chunks(self, request_id: str, created: int, streams: list[RequestStream],
-                                 n: int, include_usage: bool) -> AsyncIterator[str]:
+                                 n: int, include_usage: bool, model: str) -> AsyncIterator[str]:
         deltas: dict[tuple[int, int], TextDelta] = {}
         logprobs: dict[tuple[int, int], CompletionLogprobs] = {}
         finals: dict[int, RequestOutput] = {}
         head = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name}
+                "model": model}
         extra = {"usage": None} if include_usage else {}
         async for i, output in merge(streams):
             finals[i] = output
@@ -130,7 +134,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ chat
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request):
+    async def chat(self, body: ChatCompletionRequest, raw: Request,
+                   lora_request: LoRARequest | None = None):
         self._check_n(body.n)
         params = body.to_sampling_params()
         functions, tool_choice = body.tool_setup()
@@ -146,19 +151,20 @@ class OpenAIServing:
         check_fits_context(len(token_ids), params, self._max_model_len, "messages", tokens_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            streams = self._submit(request_id, [(text, token_ids)], params, body)
+            streams = self._submit(request_id, [(text, token_ids)], params, body, lora_request)
         except ValueError as err:
             message = str(err)
             if message.startswith("prompt:"):  # the conversation is the prompt here
                 message = "messages:" + message[len("prompt:"):]
             raise ValueError(message) from None
         created = int(time.time())
+        model = self._served_name(lora_request)
         num_top = body.top_logprobs or 0
         new_parser = lambda: parser_for(tool_choice, self.tool_call_parser)  # noqa: E731
         if body.stream:
             await self._wait_accepted(streams)
             chunks = self._chat_chunks(request_id, created, streams[0], params.n, num_top,
-                                       body.include_usage, new_parser)
+                                       body.include_usage, new_parser, model)
             return event_stream(chunks, streams)
         final = (await collect(streams, raw))[0]
         choices = []
@@ -178,15 +184,16 @@ class OpenAIServing:
             })
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created,
-            "model": self.model_name, "choices": choices, "usage": usage([final]),
+            "model": model, "choices": choices, "usage": usage([final]),
         })
 
     async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, n: int,
                            num_top: int, include_usage: bool,
-                           new_parser: Callable[[], ToolParser | None]) -> AsyncIterator[str]:
+                           new_parser: Callable[[], ToolParser | None],
+                           model: str) -> AsyncIterator[str]:
         assert self.llm.tokenizer is not None
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
+                "model": model}
         extra = {"usage": None} if include_usage else {}
         deltas = [TextDelta() for _ in range(n)]
         logprobs = [ChatLogprobs(self.llm.tokenizer, num_top) for _ in range(n)]
@@ -273,8 +280,12 @@ class OpenAIServing:
         if n > self.max_n:
             raise ValueError(f"n: must be <= {self.max_n} (this server's --max-n), got {n}")
 
+    def _served_name(self, lora_request: LoRARequest | None) -> str:
+        """The model a response names: the adapter's name, as the request gave it, or the base."""
+        return lora_request.lora_name if lora_request is not None else self.model_name
+
     def _submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params,
-                body) -> list[RequestStream]:
+                body, lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """One engine request per prompt; on any refusal, nothing stays submitted."""
         streams: list[RequestStream] = []
         try:
@@ -283,7 +294,8 @@ class OpenAIServing:
                 streams.append(self.llm.add_request(sub_id, token_ids, params, prompt=text,
                                                     priority=body.priority, user=body.user,
                                                     slo_ttft_s=body.slo_ttft_s,
-                                                    slo_tpot_s=body.slo_tpot_s))
+                                                    slo_tpot_s=body.slo_tpot_s,
+                                                    lora_request=lora_request))
         except BaseException:
             for stream in streams:
                 stream.close()

@@ -113,3 +113,20 @@ def test_running_requests_also_respect_max_loras():
     for _ in range(8):
         so, _ = step(s, runner)
         assert len(adapters_in(s, so)) <= 1, dict(so.num_scheduled_tokens)
+
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters():
+    """The adapter is in every block hash: equal tokens under another adapter
+    (or the base model) have other KV, so they never hit; the same adapter does."""
+    s = new_scheduler(max_loras=3)
+    tokens = prompt_of("shared", 9)  # two full blocks of 4
+    runner = FakeRunner()
+    s.add_request(new_request("a", tokens, max_tokens=8, lora_id=1))
+    step(s, runner)  # a's prompt is computed: its full blocks are cached
+    computed = {}
+    for req_id, lora in [("b", 2), ("base", None), ("a-again", 1)]:
+        s.add_request(new_request(req_id, tokens, max_tokens=8, lora_id=lora))
+        so, _ = step(s, runner)
+        computed[req_id] = next(n.num_computed_tokens for n in so.scheduled_new_reqs if n.req_id == req_id)
+    assert computed == {"b": 0, "base": 0, "a-again": 8}
