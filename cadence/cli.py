@@ -21,14 +21,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cadence.sampling_params import SamplingParams
 
     options = options_of(args)
+    lora_request = None
+    if args.lora:
+        from cadence.core.request import LoRARequest
+
+        options["enable_lora"] = True
+        lora_request = LoRARequest("cli-adapter", 1, args.lora)
+    elif options.get("enable_lora"):
+        raise ValueError("enable_lora: cadence generate applies an adapter given with --lora PATH")
     llm = LLM(**options)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)
     prompts = args.prompt or ["Write a haiku about continuous batching."]
     if args.raw:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False,
+                           lora_request=lora_request)
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
         print(f">>> {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, "
@@ -76,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--raw", action="store_true", help="send prompts as raw text, no chat template")
+    gen.add_argument("--lora", metavar="PATH", help="a PEFT LoRA adapter folder applied to every prompt "
+                                                   "(turns on --enable-lora)")
     add_config_options(gen)
     gen.set_defaults(func=cmd_generate)
     demo = sub.add_parser("demo", help="time the real scheduler on a small workload (fake runner)")

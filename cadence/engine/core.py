@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput
 from cadence.core.request import LoRARequest, Request, RequestStatus
@@ -32,6 +32,8 @@ from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.output import SchedulerOutput
 from cadence.engine.kv_events import KVEventBatch
 
+
+T = TypeVar("T")
 
 # Steps scheduled ahead of the one absorbed: the step running and the next one.
 MAX_STEPS_IN_FLIGHT = 2
@@ -73,13 +75,20 @@ class EngineCore:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="cadence-runner")
         # Scheduled steps not absorbed yet, oldest first (async scheduling only).
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # (lora_int_id, lora_path) of the adapters the runner accepted.
+        self._checked_loras: set[tuple[int, str]] = set()
         # Cache events are the Scheduler's, outside the scheduler contract.
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one)."""
-        if request.lora_request is not None:
-            self.add_lora(request.lora_request)
+        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one).
+
+        An adapter loaded once is not loaded again here: the runner loads it
+        anew itself if it unloaded it meanwhile.
+        """
+        lora = request.lora_request
+        if lora is not None and (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
+            self.add_lora(lora)
         self.scheduler.add_request(request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -87,15 +96,25 @@ class EngineCore:
         add_lora = getattr(self.runner, "add_lora", None)
         if add_lora is None:
             raise ValueError("lora_request: this engine's runner serves no LoRA adapters")
-        return add_lora(lora_request)
+        loaded = self._between_steps(add_lora, lora_request)
+        self._checked_loras.add((lora_request.lora_int_id, lora_request.lora_path))
+        return loaded
 
     def remove_lora(self, lora_int_id: int) -> bool:
+        self._checked_loras = {key for key in self._checked_loras if key[0] != lora_int_id}
         remove_lora = getattr(self.runner, "remove_lora", None)
-        return remove_lora is not None and remove_lora(lora_int_id)
+        return remove_lora is not None and self._between_steps(remove_lora, lora_int_id)
 
     def list_loras(self) -> list[int]:
         list_loras = getattr(self.runner, "list_loras", None)
-        return list_loras() if list_loras is not None else []
+        return self._between_steps(list_loras) if list_loras is not None else []
+
+    def _between_steps(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call the runner where no step is executing: with async scheduling, on
+        its worker after the steps in flight (which read what ``fn`` changes)."""
+        if self._executor is None:
+            return fn(*args)
+        return self._executor.submit(fn, *args).result()
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

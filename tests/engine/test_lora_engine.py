@@ -72,6 +72,20 @@ def test_mixed_batch_greedy_equals_merged_models(folders):
         assert tokens == expected_tokens(folders, prompt, i), f"adapter {i}"
 
 
+def test_mixed_batch_under_async_scheduling_equals_the_synchronous_engine(folders):
+    """Adapters load on the runner's worker, between the steps in flight."""
+    ids = [0, 1, 2, 1, 3, 0]
+    prompts = PROMPTS + [[7, 8, 9], [20, 21, 22, 23]]
+    overlapped = make_core(folders / "base", enable_lora=True, max_loras=2, max_cpu_loras=2,
+                           async_scheduling=True)
+    sync = make_core(folders / "base", enable_lora=True, max_loras=2, max_cpu_loras=2)
+    assert overlapped.async_scheduling
+    loras = [lora(folders, i) for i in ids]
+    assert run(overlapped, prompts, loras)[0] == run(sync, prompts, loras)[0]
+    assert sorted(overlapped.list_loras()) == sorted(sync.list_loras())
+    assert overlapped.remove_lora(1) and not overlapped.remove_lora(1)
+
+
 def test_max_loras_splits_adapters_across_steps(folders):
     core = make_core(folders / "base", enable_lora=True, max_loras=1, max_cpu_loras=3)
     seen = []
