@@ -16,6 +16,7 @@ from cadence import LLM, SamplingParams
 from cadence.core.request import RequestStatus
 from cadence.core.testing import all_blocks_free
 from cadence.engine.inputs import make_request
+from tests.engine.preemptions import record_preemptions
 
 PROMPTS = [
     "The capital of France is",
@@ -96,15 +97,7 @@ def test_preempted_requests_answer_as_in_the_synchronous_loop(engines):
     small = engine(num_gpu_blocks=14, kv_cache_memory=None, max_num_seqs=8, async_scheduling=True)
     prompts = [f"Request {i}. " + "Tell me a long story about a dragon and a knight. " * 3 for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40)
-    preemptions = []
-    schedule = small.engine.core.scheduler.schedule
-
-    def counting_schedule():
-        output = schedule()
-        preemptions.extend(output.preempted_req_ids)
-        return output
-
-    small.engine.core.scheduler.schedule = counting_schedule
+    preemptions = record_preemptions(small)
     got = small.generate(prompts, params, use_tqdm=False)
     assert preemptions  # the cache did run out
     assert token_ids(got) == token_ids(sync.generate(prompts, params, use_tqdm=False))

@@ -14,6 +14,7 @@ import pytest
 from cadence import LLM, SamplingParams
 from cadence.core.testing import all_blocks_free
 from cadence.engine.inputs import make_request
+from tests.engine.preemptions import record_preemptions
 
 SCHEMA = {
     "type": "object",
@@ -154,15 +155,7 @@ def test_preempted_structured_requests_resume_their_grammar(llm):
     prompts = [f"Request {i}. " + "Please describe a movie as JSON with a title, year, genre "
                "and cast. " * 3 for i in range(6)]
     alone = [llm.generate([p], params(), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    preemptions = []
-    schedule = small.engine.core.scheduler.schedule
-
-    def counting_schedule():
-        output = schedule()
-        preemptions.extend(output.preempted_req_ids)
-        return output
-
-    small.engine.core.scheduler.schedule = counting_schedule
+    preemptions = record_preemptions(small)
     together = small.generate(prompts, params(), use_tqdm=False)
     assert preemptions  # the cache did run out
     for output, want in zip(together, alone):
