@@ -165,6 +165,9 @@ def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, l
     if options.lora is not None and not options.engine.enforce_eager:
         # A graph would replay one step's adapter mapping: LoRA steps run eagerly.
         print("cadence: CUDA graphs off: LoRA adapters are applied eagerly", file=log)
+    elif model_config.num_experts and not options.engine.enforce_eager:
+        # Grouping tokens by expert reads the counts on the host: not capturable.
+        print("cadence: CUDA graphs off: mixture-of-experts routing runs eagerly", file=log)
     elif not options.engine.enforce_eager:
         sizes = default_capture_sizes(scheduler_config.max_num_seqs)
         runner.capture_cuda_graphs(sizes)

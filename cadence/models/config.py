@@ -11,8 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# model_type (HF) or general.architecture (GGUF) -> the family name we store.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from cadence.models.architectures import ARCHITECTURES, gguf_architecture, hf_architecture
+
+# model_type (HF) -> the family name we store (GGUF names: ``architectures``).
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+QK_NORM_KINDS = ("per_head", "whole")  # RMSNorm over each head's D values, or over all of q (k)
+NORM_PLACEMENTS = ("pre", "post")  # norm before attention/MLP (Llama), or on their outputs (OLMo 2)
 
 # rope_type values the rotary embedding implements. "freq_factors" is what a
 # GGUF carries for llama3 scaling: the converter stores precomputed per-frequency
@@ -42,6 +46,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # q and k RMSNorm before rotary: None, or one of QK_NORM_KINDS.
+    qk_norm: str | None = None
+    norm_placement: str = "pre"  # one of NORM_PLACEMENTS
+    no_rope_layers: tuple[int, ...] = ()  # indices of layers that apply no rotary (SmolLM3)
+    partial_rotary_factor: float = 1.0  # share of each head rotated (the first rotary_dim values)
+    # The checkpoint stores qkv_proj and gate_up_proj fused, as we compute them (Phi-3).
+    fused_checkpoint_projections: bool = False
+    # Mixture of experts: 0 experts means every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()  # layers keeping a dense MLP in an MoE model
 
     def __post_init__(self) -> None:
         _check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
@@ -49,6 +66,14 @@ class ModelConfig:
         _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                "must divide num_attention_heads")
         _check(self.head_dim % 2 == 0, "head_dim", "rotary embedding needs an even head_dim")
+        _check(self.qk_norm in (None, *QK_NORM_KINDS), "qk_norm",
+               f"{self.qk_norm!r} is not None or one of {QK_NORM_KINDS}")
+        _check(self.norm_placement in NORM_PLACEMENTS, "norm_placement",
+               f"{self.norm_placement!r} is not one of {NORM_PLACEMENTS}")
+        _check(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0, "partial_rotary_factor",
+               f"{self.partial_rotary_factor} must be in (0, 1] and rotate an even number of values")
+        _check(self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts,
+               "num_experts_per_tok", "must be in [1, num_experts] for a mixture of experts")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             _check(rope_type in SUPPORTED_ROPE_TYPES, "rope_scaling",
@@ -57,14 +82,11 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` (already parsed)."""
-        architecture = hf.get("model_type", "")
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model_type {architecture!r} is not supported "
-                             f"(supported: {SUPPORTED_ARCHITECTURES})")
+        family = hf_architecture(hf.get("model_type", ""))
         num_heads = hf["num_attention_heads"]
         rope = _hf_rope_parameters(hf)
-        return cls(
-            architecture=architecture,
+        common = dict(
+            architecture=family.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -77,12 +99,12 @@ class ModelConfig:
             rope_scaling=_hf_rope_scaling(rope),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v bias and its config does not say so.
-            attention_bias=architecture == "qwen2" or hf.get("attention_bias", False),
+            attention_bias=hf.get("attention_bias", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
             sliding_window=_hf_sliding_window(hf),
         )
+        return cls(**{**common, **family.hf_fields(hf), **family.fixed})
 
     @classmethod
     def from_gguf_metadata(
@@ -94,9 +116,7 @@ class ModelConfig:
         by having no ``output.weight`` tensor, so the caller says.
         """
         arch = metadata["general.architecture"]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                             f"(supported: {SUPPORTED_ARCHITECTURES})")
+        family = gguf_architecture(arch)
 
         def key(name: str, default: Any = None) -> Any:
             return metadata.get(f"{arch}.{name}", default)
@@ -105,10 +125,8 @@ class ModelConfig:
         num_heads = key("attention.head_count")
         head_dim = key("attention.key_length") or hidden_size // num_heads
         rope_dim = key("rope.dimension_count", head_dim)
-        if rope_dim != head_dim:
-            raise ValueError(f"partial rotary (rope dim {rope_dim} < head_dim {head_dim}) is not supported")
-        return cls(
-            architecture=arch,
+        common = dict(
+            architecture=family.name,
             vocab_size=key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
             hidden_size=hidden_size,
             intermediate_size=key("feed_forward_length"),
@@ -121,15 +139,25 @@ class ModelConfig:
             rope_scaling=_gguf_rope_scaling(key("rope.scaling.type"), key("rope.scaling.factor")),
             max_position_embeddings=key("context_length", 2048),
             tie_word_embeddings=tie_word_embeddings,
-            attention_bias=arch == "qwen2",
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=gguf_eos_token_ids(metadata),
             sliding_window=key("attention.sliding_window"),
+            partial_rotary_factor=rope_dim / head_dim,
         )
+        return cls(**{**common, **family.gguf_fields(key), **family.fixed})
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's head_dim values the rotary embedding rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` routes tokens to experts (else a dense MLP)."""
+        return self.num_experts > 0 and layer_idx not in self.dense_mlp_layers
 
     @property
     def num_kv_groups(self) -> int:
@@ -151,10 +179,13 @@ class ModelConfig:
         attention = h * (q_size + 2 * kv_size) + q_size * h
         if self.attention_bias:
             attention += q_size + 2 * kv_size
-        mlp = 3 * h * self.intermediate_size
-        layer = attention + mlp + 2 * h  # two RMSNorm weights
+        attention += {None: 0, "per_head": 2 * d, "whole": q_size + kv_size}[self.qk_norm]
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router row
+        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_hidden_layers))
+        layers = self.num_hidden_layers * (attention + 2 * h) + mlps  # two RMSNorm weights a layer
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_hidden_layers * layer + h  # + final norm
+        return embeddings + layers + h  # + final norm
 
 
 def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:

@@ -12,8 +12,12 @@ pairs (i, i + D/2). Within each head of D rows:
     HF row    (half j, index i)   j in {0, 1}, i in [0, D/2)
     GGUF row  2*i + j
 
-We use the HF convention, so the rows go back. Qwen2 files are not permuted
-(llama.cpp runs them with the rotate_half ("NEOX") layout).
+We use the HF convention, so the rows go back. Files of the families llama.cpp
+runs with the rotate_half ("NEOX") layout (Qwen2/3, OLMo 2, Phi-3) are not
+permuted: ``Architecture.gguf_rope_permuted`` says which.
+
+Mixture-of-experts files stack the experts (``blk.N.ffn_up_exps.weight``
+[E, I, H]); each expert's slice goes in under its Hugging Face name.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 
+from cadence.models.architectures import ARCHITECTURES
 from cadence.models.config import ModelConfig
 from cadence.models.dequant import to_torch
 from cadence.models.llama import LlamaForCausalLM
@@ -46,10 +51,18 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",  # OLMo 2: the norm on attention's output
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Families whose files give a name another meaning: Phi-3's ffn_up holds gate|up.
+_FAMILY_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Stacked experts [E, rows, cols] -> each expert's HF projection.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Architectures whose GGUF q/k rows llama.cpp permuted at conversion.
-_PERMUTED_ARCHITECTURES = ("llama",)
 # Precomputed rope frequency divisors (llama3 scaling); read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -88,15 +101,25 @@ def load_gguf_model(reader: GGUFReader, metadata: dict[str, Any],
     return model.eval(), config
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (in ``architecture``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_BLOCK_NAMES, **_FAMILY_BLOCK_NAMES.get(architecture, {})}
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    if match is None or match.group(2) not in names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {architecture} model")
     layer, key, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[key]}.{kind}"
+    return f"model.layers.{layer}.{names[key]}.{kind}"
+
+
+def expert_tensor_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """HF names of each expert's slice of ``blk.N.ffn_*_exps.weight``; None for other tensors."""
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_NAMES:
+        return None
+    layer, key, kind = match.groups()
+    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[key]}.{kind}" for e in range(num_experts)]
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -110,14 +133,19 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _hf_named_tensors(reader: GGUFReader, config: ModelConfig,
                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight, permutation undone, one tensor at a time."""
-    permuted = config.architecture in _PERMUTED_ARCHITECTURES
+    permuted = ARCHITECTURES[config.architecture].gguf_rope_permuted
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        name = hf_tensor_name(tensor.name)  # fails fast on tensors we have no place for
+        expert_names = expert_tensor_names(tensor.name, config.num_experts)
+        # Fails fast on tensors we have no place for.
+        name = None if expert_names else hf_tensor_name(tensor.name, config.architecture)
         shape = tuple(reversed([int(n) for n in tensor.shape]))  # GGUF lists dims fastest-first
         value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
+        if expert_names:
+            yield from zip(expert_names, value)  # value [E, rows, cols]
+            continue
         kind = tensor.name.split(".")[-2]  # "attn_q" in "blk.3.attn_q.weight"
         if permuted and kind in heads:
             value = unpermute_rope_rows(value, heads[kind])

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from cadence.models.lora_layers import LinearLoRA
 
 
-def _empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -28,7 +28,7 @@ class Embedding(torch.nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _empty_parameter(vocab_size, hidden_size, dtype=dtype)
+        self.weight = empty_parameter(vocab_size, hidden_size, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
@@ -46,8 +46,8 @@ class Linear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _empty_parameter(out_features, in_features, dtype=dtype)
-        self.bias = _empty_parameter(out_features, dtype=dtype) if bias else None
+        self.weight = empty_parameter(out_features, in_features, dtype=dtype)
+        self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None = None
         self.lora: LinearLoRA | None = None
 
@@ -71,12 +71,26 @@ class FusedLinear(Linear):
     """Several projections of the same input stacked by rows, computed as one matmul.
 
     ``shards`` lists (checkpoint name, rows) in row order, e.g. q_proj, k_proj, v_proj.
+    ``checkpoint_fused``: the checkpoint stores the stacked matrix under this
+    module's own name (Phi-3's qkv_proj), not one tensor per shard.
     """
 
-    def __init__(self, in_features: int, shards: list[tuple[str, int]], *, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, shards: list[tuple[str, int]], *, bias: bool, dtype: torch.dtype,
+                 checkpoint_fused: bool = False) -> None:
         self.shard_names = tuple(name for name, _ in shards)
         self.shard_sizes = tuple(rows for _, rows in shards)
+        self.checkpoint_fused = checkpoint_fused
         super().__init__(in_features, sum(self.shard_sizes), bias=bias, dtype=dtype)
+
+    def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the rows of our parameter it fills, for this module at ``path``."""
+        params = {kind: param.data for kind, param in self.named_parameters()}
+        if self.checkpoint_fused:
+            return {f"{path}.{kind}": data for kind, data in params.items()}
+        parent = path.rpartition(".")[0]
+        return {f"{parent}.{shard}.{kind}": rows
+                for kind, data in params.items()
+                for shard, rows in zip(self.shard_names, data.split(self.shard_sizes))}
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x, one tensor per shard."""
@@ -94,7 +108,7 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _empty_parameter(hidden_size, dtype=dtype)
+        self.weight = empty_parameter(hidden_size, dtype=dtype)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     @overload
@@ -117,16 +131,36 @@ class RMSNorm(torch.nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class HeadRMSNorm(torch.nn.Module):
+    """RMSNorm of q or k over their last dimension, in plain PyTorch.
+
+    Over each head ([T, H, D], Qwen3) or over the whole projection ([T, H*D],
+    OLMo 2). No fused kernel: those norm contiguous [T, hidden] rows with a
+    residual, and q/k here are slices of the fused qkv output.
+    """
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_parameter(size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 class GatedMLP(torch.nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
 
     gate and up are one fused projection: rows [0, I) are gate, [I, 2I) are up.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
+                 checkpoint_fused: bool = False) -> None:
         super().__init__()
         shards = [("gate_proj", intermediate_size), ("up_proj", intermediate_size)]
-        self.gate_up_proj = FusedLinear(hidden_size, shards, bias=False, dtype=dtype)
+        self.gate_up_proj = FusedLinear(hidden_size, shards, bias=False, dtype=dtype,
+                                        checkpoint_fused=checkpoint_fused)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder: SmolLM2, Llama 2/3, Mistral, Qwen2/2.5.
+"""Llama-family decoder: SmolLM2/3, Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, OLMo 2, Phi-3.
 
 The model is purely per-token except for one call: ``attention(layer_idx, q, k, v)``,
 supplied by the caller, which owns the KV cache. So the T tokens of one forward
@@ -12,8 +12,19 @@ residual)``), so a layer takes and returns the pair (its input, the
 residual stream before it). On the CPU, ``use_fused_ops`` moves the norms,
 the rotary and silu*up into single C passes (``fused_ops``).
 
+The families differ in a few building blocks, each chosen from a
+``ModelConfig`` field (never from the architecture's name):
+
+    qk_norm               q/k RMSNorm before rotary, per head (Qwen3) or whole (OLMo 2)
+    norm_placement        "pre" (above), or "post": norms on the attention and
+                          MLP outputs before each residual add (OLMo 2)
+    no_rope_layers        layers that skip rotary (SmolLM3)
+    partial_rotary_factor only the first values of each head rotate (Phi-3/4)
+    num_experts           mixture-of-experts MLPs (Qwen3-MoE, see ``moe``)
+
 Parameter names follow Hugging Face's except for two fusions, which
-``load_weights`` undoes when it reads a checkpoint:
+``load_weights`` undoes when it reads a checkpoint (unless the checkpoint
+stores them fused too, as Phi-3's does):
 
     self_attn.qkv_proj  = rows of q_proj | k_proj | v_proj
     mlp.gate_up_proj    = rows of gate_proj | up_proj
@@ -28,7 +39,8 @@ import torch.nn.functional as F
 
 from cadence.models import packed_weights
 from cadence.models.config import ModelConfig
-from cadence.models.layers import Embedding, FusedLinear, GatedMLP, Linear, RMSNorm
+from cadence.models.layers import Embedding, FusedLinear, GatedMLP, HeadRMSNorm, Linear, RMSNorm
+from cadence.models.moe import SparseMoE
 from cadence.models.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -36,14 +48,14 @@ if TYPE_CHECKING:
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-CosSin = tuple[torch.Tensor, torch.Tensor]  # rotary cos, sin: [T, 1, D] each
+CosSin = tuple[torch.Tensor, torch.Tensor]  # rotary cos, sin: [T, 1, R] each (R = rotary_dim)
 
 # Checkpoint entries that carry no weight of ours (old HF files saved these).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(torch.nn.Module):
-    """q/k/v projection, rotary, the caller's attention, output projection."""
+    """q/k/v projection, q/k norm (if any), rotary, the caller's attention, output projection."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -51,25 +63,49 @@ class LlamaAttention(torch.nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.uses_rope = layer_idx not in config.no_rope_layers
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)]
-        self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=config.attention_bias, dtype=dtype)
+        self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=config.attention_bias, dtype=dtype,
+                                    checkpoint_fused=config.fused_checkpoint_projections)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm is not None:
+            per_head = self.qk_norm == "per_head"
+            self.q_norm = HeadRMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, dtype=dtype)
+            self.k_norm = HeadRMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, dtype=dtype)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor, rope: CosSin, attention: AttentionFn) -> torch.Tensor:
-        """``rope``: cos/sin [T, 1, D] in x's dtype, or float32 [T, D] with fused ops."""
+        """``rope``: cos/sin [T, 1, R] in x's dtype, or float32 [T, D] with fused ops."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj.forward_split(x)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        if self.qk_norm == "whole":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.fused_ops is not None:
-            self.fused_ops.rotary_(q, k, *rope)  # in place, in the projection's output
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.uses_rope:
+            q, k = self._rotate(q, k, rope)
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, rope: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
+        if rope[0].dim() == 2:  # float32 rows for the fused kernel (full rotary only, see LlamaModel)
+            self.fused_ops.rotary_(q, k, *rope)  # in place, in the projection's output
+            return q, k
+        return apply_rotary(q, *rope), apply_rotary(k, *rope)
+
+
+def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> torch.nn.Module:
+    """Layer ``layer_idx``'s feed-forward: routed experts, or one gated MLP."""
+    if config.is_moe_layer(layer_idx):
+        return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                         config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob, dtype=dtype)
+    return GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype,
+                    checkpoint_fused=config.fused_checkpoint_projections)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -85,7 +121,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(config, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.mlp = make_mlp(config, layer_idx, dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: CosSin, attention: AttentionFn
@@ -99,6 +135,31 @@ class LlamaDecoderLayer(torch.nn.Module):
         return self.mlp(normed), residual
 
 
+class PostNormDecoderLayer(torch.nn.Module):
+    """OLMo 2's block: ``h = x + norm(attn(x))`` then ``h + norm(mlp(h))``.
+
+    Same calling convention as ``LlamaDecoderLayer``: takes (x_delta,
+    residual) and returns (mlp delta, h), the caller adding the last pair.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = make_mlp(config, layer_idx, dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: CosSin, attention: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = x if residual is None else residual + x
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rope, attention))
+        return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
+
+
+_DECODER_LAYERS = {"pre": LlamaDecoderLayer, "post": PostNormDecoderLayer}
+
+
 class LlamaModel(torch.nn.Module):
     """Embedding, decoder layers and final norm (no LM head)."""
 
@@ -106,18 +167,20 @@ class LlamaModel(torch.nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(config)
-        self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        # The fused rotary kernel turns whole heads; partial rotary stays in PyTorch.
+        self.fused_rotary_fits = config.rotary_dim == config.head_dim
+        layer_class = _DECODER_LAYERS[config.norm_placement]
+        self.layers = torch.nn.ModuleList(layer_class(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         # Looked up once, used by every layer.
-        if self.fused_ops is not None:
+        if self.fused_ops is not None and self.fused_rotary_fits:
             rope = self.rotary.rows(positions)  # float32 [T, D] each
         else:
-            rope = self.rotary(positions, hidden.dtype)  # [T, 1, D] each
+            rope = self.rotary(positions, hidden.dtype)  # [T, 1, R] each
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, attention)
@@ -178,33 +241,42 @@ class LlamaForCausalLM(torch.nn.Module):
         ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` land in their
         rows of the fused projections. Tensors are cast to the model's dtype.
         """
-        expected = set(self.checkpoint_names())
+        destinations = self.checkpoint_tensors()
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            if name not in expected:
+            if name not in destinations:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            destination = self._destination(name)
+            destination = destinations[name]
             if destination.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(destination.shape)}")
             destination.copy_(tensor)
             loaded.add(name)
-        missing = sorted(expected - loaded)
+        missing = sorted(set(destinations) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
     def checkpoint_names(self) -> list[str]:
         """Hugging Face names of every tensor ``load_weights`` needs."""
-        names = []
-        for name, _ in self.named_parameters():
-            module_path, _, kind = name.rpartition(".")
-            module = self.get_submodule(module_path)
-            shards = getattr(module, "shard_names", None) or (None,)
-            names.extend(name if shard is None else f"{module_path.rpartition('.')[0]}.{shard}.{kind}"
-                         for shard in shards)
-        return names
+        return list(self.checkpoint_tensors())
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Each Hugging Face tensor name -> the part of our parameters it fills.
+
+        Modules that store several checkpoint tensors in one parameter (fused
+        projections, stacked experts) say which part is which; any other
+        parameter is its own checkpoint tensor.
+        """
+        destinations: dict[str, torch.Tensor] = {}
+        for path, module in self.named_modules():
+            if hasattr(module, "checkpoint_tensors") and module is not self:
+                destinations.update(module.checkpoint_tensors(path))
+                continue
+            prefix = f"{path}." if path else ""
+            destinations.update({prefix + kind: param.data for kind, param in module.named_parameters(recurse=False)})
+        return destinations
 
     def projection(self, name: str) -> tuple[Linear, int]:
         """The layer computing Hugging Face projection ``name`` (e.g.
@@ -220,25 +292,7 @@ class LlamaForCausalLM(torch.nn.Module):
             raise ValueError(f"the model has no linear layer {name!r}")
         return module, (module.shard_names.index(leaf) if fused else 0)
 
-    def _destination(self, name: str) -> torch.Tensor:
-        """The rows of our parameter that checkpoint tensor ``name`` fills."""
-        parent, shard, kind = _split_param_name(name)
-        fused = _SHARD_TO_FUSED.get(shard)
-        if fused is None:
-            return self.get_parameter(name).data
-        module = self.get_submodule(f"{parent}.{fused}")
-        index = module.shard_names.index(shard)
-        start = sum(module.shard_sizes[:index])
-        return getattr(module, kind).data.narrow(0, start, module.shard_sizes[index])
-
 
 # Checkpoint projection name -> our fused projection holding its rows.
 _SHARD_TO_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-
-def _split_param_name(name: str) -> tuple[str, str, str]:
-    """``model.layers.0.mlp.up_proj.weight`` -> (``model.layers.0.mlp``, ``up_proj``, ``weight``)."""
-    rest, _, kind = name.rpartition(".")
-    parent, _, module = rest.rpartition(".")
-    return parent, module, kind

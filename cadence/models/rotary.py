@@ -1,6 +1,7 @@
 """Rotary position embedding in the Hugging Face "rotate_half" layout.
 
-Each head vector of size D is split in two halves; dimension i of the first
+Each head vector of size D (or its first R = rotary_dim values, with partial
+rotary) is split in two halves; dimension i of the first
 half and dimension i of the second half form one rotating pair with angle
 ``position * inv_freq[i]``:
 
@@ -23,8 +24,8 @@ from cadence.models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Rotation speed of each of the D/2 pairs, after any rope scaling. float32 [D/2]."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    """Rotation speed of each of the R/2 pairs (R = rotary_dim), after any rope scaling. float32 [R/2]."""
+    exponents = torch.arange(0, config.rotary_dim, 2, dtype=torch.int64).float() / config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)  # [D/2]
     scaling = config.rope_scaling
     if scaling is None:
@@ -65,8 +66,8 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         angles = torch.outer(positions, inverse_frequencies(config))  # [P, D/2]
         # Buffers (they follow model.to(device)) but not state: never saved or loaded.
-        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], dim=-1), persistent=False)  # [P, D]
-        self.register_buffer("sin", torch.cat([angles.sin(), angles.sin()], dim=-1), persistent=False)  # [P, D]
+        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], dim=-1), persistent=False)  # [P, R]
+        self.register_buffer("sin", torch.cat([angles.sin(), angles.sin()], dim=-1), persistent=False)  # [P, R]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] for tokens at ``positions`` [T], ready to broadcast over heads."""
@@ -80,7 +81,15 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] with cos/sin [T, 1, D] from ``RotaryEmbedding``."""
+    """Rotate x [T, H, D] with cos/sin [T, 1, R] from ``RotaryEmbedding``.
+
+    With partial rotary (R < D) only the first R values of each head turn;
+    the other D - R pass through.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned, passed = x.split([rotary_dim, x.shape[-1] - rotary_dim], dim=-1)
+        return torch.cat([apply_rotary(turned, cos, sin), passed], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
     rotated_half = torch.cat([-x2, x1], dim=-1)  # [T, H, D]
     return x * cos + rotated_half * sin

@@ -60,17 +60,7 @@ def hf_checkpoint(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     The inverse of ``load_weights``: ``other.load_weights(hf_checkpoint(model).items())``
     makes ``other`` compute what ``model`` does.
     """
-    checkpoint = {}
-    for name, param in model.named_parameters():
-        module_path, _, kind = name.rpartition(".")
-        module = model.get_submodule(module_path)
-        if not hasattr(module, "shard_names"):
-            checkpoint[name] = param.detach().clone()
-            continue
-        parent = module_path.rpartition(".")[0]
-        for shard, rows in zip(module.shard_names, param.detach().split(module.shard_sizes)):
-            checkpoint[f"{parent}.{shard}.{kind}"] = rows.clone()
-    return checkpoint
+    return {name: tensor.detach().clone() for name, tensor in model.checkpoint_tensors().items()}
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

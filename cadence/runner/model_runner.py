@@ -143,6 +143,9 @@ class ModelRunner:
 
         if self.device.type != "cuda":
             raise ValueError("capture_cuda_graphs: CUDA graphs need a CUDA device")
+        if self.model_config.num_experts:
+            raise ValueError("capture_cuda_graphs: mixture-of-experts models run eagerly "
+                             "(grouping tokens by expert reads counts on the host)")
         graphs = DecodeGraphs(
             self.model, self.kv_cache, capture_sizes=capture_sizes,
             max_blocks_per_req=self.max_blocks_per_req, group=self.group,
