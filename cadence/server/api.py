@@ -98,11 +98,15 @@ class ServerState:
 
 
 def lora_modules_of(config: ServerConfig, options: EngineOptions) -> list[tuple[str, str]]:
-    """(name, path) of --lora-modules; ValueError if adapters are asked of an engine without LoRA."""
+    """(name, path) of --lora-modules; ValueError if adapters are asked of an engine
+    without LoRA, or LoRA is on with no way to serve an adapter."""
     modules = parse_lora_modules(config.lora_modules)
     if (modules or config.allow_runtime_lora_updating) and options.lora is None:
         name = "lora_modules" if modules else "allow_runtime_lora_updating"
         raise ValueError(f"{name}: serving LoRA adapters needs --enable-lora")
+    if options.lora is not None and not modules and not config.allow_runtime_lora_updating:
+        raise ValueError("enable_lora: no request could name an adapter: give --lora-modules "
+                         "name=path, or --allow-runtime-lora-updating to load them at run time")
     return modules
 
 

@@ -47,3 +47,10 @@ def test_adapters_need_enable_lora():
         build_app(ServerConfig(allow_runtime_lora_updating=True), EngineOptions.from_kwargs())
     assert lora_modules_of(ServerConfig(lora_modules=("a=/x",)),
                            EngineOptions.from_kwargs(enable_lora=True)) == [("a", "/x")]
+
+
+def test_enable_lora_with_no_adapter_to_serve_is_refused():
+    with pytest.raises(ValueError, match="^enable_lora: no request could name an adapter"):
+        lora_modules_of(ServerConfig(), EngineOptions.from_kwargs(enable_lora=True))
+    assert lora_modules_of(ServerConfig(allow_runtime_lora_updating=True),
+                           EngineOptions.from_kwargs(enable_lora=True)) == []
