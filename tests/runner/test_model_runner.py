@@ -11,7 +11,8 @@ from cadence.config import SpeculativeConfig
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.testing import random_model, tiny_config
-from cadence.runner.model_runner import ModelRunner, accept_drafts
+from cadence.runner.model_runner import ModelRunner
+from cadence.runner.step_sampling import accept_drafts
 from cadence.runner.ngram_drafter import NgramDrafter
 from cadence.sampling_params import SamplingParams
 
