@@ -100,6 +100,9 @@ _GEMMA_FIXED = {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "mlp_ac
 
 def _gemma_hf(hf: Mapping[str, Any], default_pattern: int) -> dict[str, Any]:
     """Fields common to Gemma 2 and 3 config.json files."""
+    activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {activation!r} is not supported for Gemma (gelu_pytorch_tanh is)")
     num_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
     if layer_types is None:

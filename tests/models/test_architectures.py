@@ -116,3 +116,10 @@ def test_checkpoint_shape_disagreeing_with_config_names_the_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_norm\.weight' has shape \(16,\), "
                                          r"the model expects \(24,\)"):
         load_hf_model(str(tmp_path))
+
+
+def test_gemma_with_another_activation_names_it():
+    hf = random_hf_model("gemma2").config.to_dict()
+    hf["hidden_activation"] = "gelu"
+    with pytest.raises(ValueError, match="hidden_activation 'gelu' is not supported for Gemma"):
+        ModelConfig.from_hf_config(hf)
