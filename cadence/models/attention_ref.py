@@ -13,21 +13,38 @@ cached, query i (absolute position P + i) sees keys 0 .. P + i:
     query T-1   all   | x   x  ...  x
 
 With a sliding window W (Mistral), query at position p sees only keys p-W+1 .. p.
+``for_model`` takes each layer's window, the q.k scale and the score
+soft-capping from a ``ModelConfig`` (Gemma's alternating windows).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from cadence.models.config import ModelConfig
 
 
 class ReferenceAttention:
     """``attention(layer_idx, q, k, v)`` callable over a single growing sequence."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
-        self.sliding_window = sliding_window
+    def __init__(self, sliding_window: int | None = None, *, scale: float | None = None,
+                 softcap: float | None = None, layer_window: Callable[[int], int | None] | None = None) -> None:
+        """``layer_window``: each layer's window (default: ``sliding_window`` for all)."""
+        self.layer_window = layer_window or (lambda _layer: sliding_window)
+        self.scale = scale
+        self.softcap = softcap
         self._keys: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, D]
         self._values: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, D]
+
+    @classmethod
+    def for_model(cls, config: "ModelConfig") -> "ReferenceAttention":
+        """Attention as ``config``'s model runs it: its windows, scale and soft-capping."""
+        return cls(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
+                   layer_window=config.layer_sliding_window)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -46,17 +63,19 @@ class ReferenceAttention:
         values = self._append(self._values, layer_idx, v)  # [S, Hkv, D]
         num_new, num_total = q.shape[0], keys.shape[0]
         group = q.shape[1] // k.shape[1]  # query heads per kv head
-        out = F.scaled_dot_product_attention(
+        out = softcapped_attention(
             _batched_heads(q),  # [1, Hq, T, D]
             _batched_heads(keys.repeat_interleave(group, dim=1)),  # [1, Hq, S, D]
             _batched_heads(values.repeat_interleave(group, dim=1)),  # [1, Hq, S, D]
-            **self._causality(num_new, num_total, q.device))
+            scale=self.scale, softcap=self.softcap,
+            **self._causality(num_new, num_total, q.device, self.layer_window(layer_idx)))
         return out[0].transpose(0, 1)  # [T, Hq, D]
 
-    def _causality(self, num_new: int, num_total: int, device: torch.device) -> dict:
+    @staticmethod
+    def _causality(num_new: int, num_total: int, device: torch.device, sliding_window: int | None) -> dict:
         """SDPA arguments making new query i see keys up to its own position (and window)."""
-        if self.sliding_window is not None and num_total > self.sliding_window:
-            return {"attn_mask": causal_mask(num_new, num_total, device, self.sliding_window)}
+        if sliding_window is not None and num_total > sliding_window:
+            return {"attn_mask": causal_mask(num_new, num_total, device, sliding_window)}
         if num_new == 1:
             return {}  # the newest token sees everything cached
         if num_new == num_total:
@@ -85,3 +104,25 @@ def causal_mask(num_new: int, num_total: int, device: torch.device,
     if sliding_window is not None:
         visible &= key_positions > query_positions - sliding_window
     return visible
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                         attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                         scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` (same heads in q, k, v), with scores soft-capped.
+
+    Without a cap this is SDPA itself. With one, the scores are computed
+    explicitly: ``softmax(cap * tanh(q.k * scale / cap) masked)``, the softmax
+    in float32 (as Gemma 2's reference does it). attn_mask: bool, True = may attend.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [..., Q, K]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

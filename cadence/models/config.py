@@ -11,12 +11,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from cadence.models.architectures import ARCHITECTURES, gguf_architecture, hf_architecture
+from cadence.models.architectures import ARCHITECTURES, gguf_architecture, hf_architecture, hf_rope_scaling
 
 # model_type (HF) -> the family name we store (GGUF names: ``architectures``).
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 QK_NORM_KINDS = ("per_head", "whole")  # RMSNorm over each head's D values, or over all of q (k)
-NORM_PLACEMENTS = ("pre", "post")  # norm before attention/MLP (Llama), or on their outputs (OLMo 2)
+# Norms before attention/MLP (Llama), on their outputs (OLMo 2), or both (Gemma's "sandwich").
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU, or GeGLU (tanh-approximated gelu)
 
 # rope_type values the rotary embedding implements. "freq_factors" is what a
 # GGUF carries for llama3 scaling: the converter stores precomputed per-frequency
@@ -59,6 +61,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers keeping a dense MLP in an MoE model
+    mlp_activation: str = "silu"  # one of MLP_ACTIVATIONS
+    # Every RMSNorm (q/k norms too) scales by (norm_weight_offset + weight): Gemma's 1 + weight.
+    norm_weight_offset: float = 0.0
+    embedding_multiplier: float = 1.0  # token embeddings are scaled by it (Gemma: sqrt(hidden_size))
+    # q.k is scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # tanh soft-capping, cap * tanh(x / cap): of attention scores before softmax, of the LM head's logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Layers that see the whole context although sliding_window is set (Gemma's global layers).
+    full_attention_layers: tuple[int, ...] = ()
+    # Rope base of the sliding-window layers, which then take no rope_scaling (Gemma 3's local
+    # layers); None: every layer uses rope_theta and rope_scaling.
+    sliding_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
@@ -72,6 +88,10 @@ class ModelConfig:
                f"{self.norm_placement!r} is not one of {NORM_PLACEMENTS}")
         _check(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0, "partial_rotary_factor",
                f"{self.partial_rotary_factor} must be in (0, 1] and rotate an even number of values")
+        _check(self.mlp_activation in MLP_ACTIVATIONS, "mlp_activation",
+               f"{self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
+        _check(all(0 <= i < self.num_hidden_layers for i in self.full_attention_layers), "full_attention_layers",
+               "must be layer indices")
         _check(self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts,
                "num_experts_per_tok", "must be in [1, num_experts] for a mixture of experts")
         if self.rope_scaling is not None:
@@ -96,7 +116,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_scaling=_hf_rope_scaling(rope),
+            rope_scaling=hf_rope_scaling(rope),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
@@ -159,6 +179,19 @@ class ModelConfig:
         """Whether layer ``layer_idx`` routes tokens to experts (else a dense MLP)."""
         return self.num_experts > 0 and layer_idx not in self.dense_mlp_layers
 
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window layer ``layer_idx`` attends within (None: the whole context)."""
+        return None if layer_idx in self.full_attention_layers else self.sliding_window
+
+    def uses_sliding_rope(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` turns q/k with the ``sliding_rope_theta`` tables."""
+        return self.sliding_rope_theta is not None and self.layer_sliding_window(layer_idx) is not None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The q.k scale when it is not the usual head_dim ** -0.5 (None then)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
     @property
     def num_kv_groups(self) -> int:
         """Query heads sharing one key/value head."""
@@ -183,7 +216,8 @@ class ModelConfig:
         dense_mlp = 3 * h * self.intermediate_size
         moe_mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router row
         mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_hidden_layers))
-        layers = self.num_hidden_layers * (attention + 2 * h) + mlps  # two RMSNorm weights a layer
+        norms = 4 if self.norm_placement == "sandwich" else 2  # RMSNorm weights a layer
+        layers = self.num_hidden_layers * (attention + norms * h) + mlps
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + layers + h  # + final norm
 
@@ -219,15 +253,6 @@ def _hf_rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     if "rope_theta" in hf:
         params["rope_theta"] = hf["rope_theta"]
     return params
-
-
-def _hf_rope_scaling(rope: Mapping[str, Any]) -> dict[str, Any] | None:
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return None
-    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
-    scaling["rope_type"] = rope_type
-    return scaling
 
 
 def _hf_sliding_window(hf: Mapping[str, Any]) -> int | None:

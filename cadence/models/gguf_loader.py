@@ -16,6 +16,11 @@ We use the HF convention, so the rows go back. Files of the families llama.cpp
 runs with the rotate_half ("NEOX") layout (Qwen2/3, OLMo 2, Phi-3) are not
 permuted: ``Architecture.gguf_rope_permuted`` says which.
 
+Gemma files hold every RMSNorm weight plus one: the converter folds Gemma's
+``x * (1 + weight)`` into the weight (llama.cpp's norm is ``x * weight``).
+``Architecture.gguf_norm_shift`` says by how much; it comes off again here,
+so the model computes ``1 + weight`` as from a Hugging Face folder.
+
 Mixture-of-experts files stack the experts (``blk.N.ffn_up_exps.weight``
 [E, I, H]); each expert's slice goes in under its Hugging Face name.
 """
@@ -59,7 +64,10 @@ _BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate",
 }
 # Families whose files give a name another meaning: Phi-3's ffn_up holds gate|up.
-_FAMILY_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Gemma's ffn_norm is the norm before the MLP, post_attention_norm the one on attention's output.
+_GEMMA_BLOCK_NAMES = {"ffn_norm": "pre_feedforward_layernorm"}
+_FAMILY_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_BLOCK_NAMES,
+                       "gemma3_text": _GEMMA_BLOCK_NAMES}
 # Stacked experts [E, rows, cols] -> each expert's HF projection.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -133,7 +141,8 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _hf_named_tensors(reader: GGUFReader, config: ModelConfig,
                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight, permutation undone, one tensor at a time."""
-    permuted = ARCHITECTURES[config.architecture].gguf_rope_permuted
+    family = ARCHITECTURES[config.architecture]
+    permuted, norm_shift = family.gguf_rope_permuted, family.gguf_norm_shift
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
@@ -149,6 +158,8 @@ def _hf_named_tensors(reader: GGUFReader, config: ModelConfig,
         kind = tensor.name.split(".")[-2]  # "attn_q" in "blk.3.attn_q.weight"
         if permuted and kind in heads:
             value = unpermute_rope_rows(value, heads[kind])
+        if norm_shift and kind.endswith("norm"):
+            value = (value.float() - norm_shift).to(dtype)
         yield name, value
 
 

@@ -105,10 +105,11 @@ class RMSNorm(torch.nn.Module):
     one call where it would make two (one pass in C with ``fused_ops``).
     """
 
-    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.weight = empty_parameter(hidden_size, dtype=dtype)
+        self.weight_offset = weight_offset  # see ModelConfig.norm_weight_offset
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     @overload
@@ -117,7 +118,8 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(self, x, residual=None):
-        if self.fused_ops is not None:
+        # The C kernel scales by the weight itself: an offset norm stays in PyTorch.
+        if self.fused_ops is not None and not self.weight_offset:
             # residual += x happens in place: the stream is this forward's own tensor.
             normed = self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
             return normed if residual is None else (normed, residual)
@@ -127,8 +129,7 @@ class RMSNorm(torch.nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.weight_offset)
 
 
 class HeadRMSNorm(torch.nn.Module):
@@ -139,25 +140,39 @@ class HeadRMSNorm(torch.nn.Module):
     residual, and q/k here are slices of the fused qkv output.
     """
 
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.weight = empty_parameter(size, dtype=dtype)
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.weight_offset)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    """RMSNorm of x over its last dimension, in float32.
+
+    Without an offset the normed values are cast back before the weight
+    (Llama); with one, ``normed * (offset + weight)`` is computed in float32
+    and then cast (Gemma), each as its reference does it.
+    """
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if not weight_offset:
+        return weight * normed.to(x.dtype)
+    return (normed * (weight_offset + weight.float())).to(x.dtype)
 
 
 class GatedMLP(torch.nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; GeGLU with ``activation="gelu_tanh"``.
 
     gate and up are one fused projection: rows [0, I) are gate, [I, 2I) are up.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
-                 checkpoint_fused: bool = False) -> None:
+                 checkpoint_fused: bool = False, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         shards = [("gate_proj", intermediate_size), ("up_proj", intermediate_size)]
         self.gate_up_proj = FusedLinear(hidden_size, shards, bias=False, dtype=dtype,
                                         checkpoint_fused=checkpoint_fused)
@@ -165,7 +180,10 @@ class GatedMLP(torch.nn.Module):
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_ops is not None:
+        if self.fused_ops is not None and self.activation == "silu":  # the C kernel is SiLU's only
             return self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.forward_split(x)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}

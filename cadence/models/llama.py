@@ -1,4 +1,4 @@
-"""Llama-family decoder: SmolLM2/3, Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, OLMo 2, Phi-3.
+"""Llama-family decoder: SmolLM2/3, Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, OLMo 2, Phi-3, Gemma 2/3.
 
 The model is purely per-token except for one call: ``attention(layer_idx, q, k, v)``,
 supplied by the caller, which owns the KV cache. So the T tokens of one forward
@@ -21,6 +21,15 @@ The families differ in a few building blocks, each chosen from a
     no_rope_layers        layers that skip rotary (SmolLM3)
     partial_rotary_factor only the first values of each head rotate (Phi-3/4)
     num_experts           mixture-of-experts MLPs (Qwen3-MoE, see ``moe``)
+    norm_placement        "sandwich": both, pre-norms and norms on the outputs (Gemma)
+    norm_weight_offset    RMSNorm scales by 1 + weight (Gemma)
+    mlp_activation        GeGLU instead of SwiGLU (Gemma)
+    embedding_multiplier  embeddings scaled by sqrt(hidden_size) (Gemma)
+    sliding_rope_theta    other rope tables for the sliding-window layers (Gemma 3)
+    final_logit_softcapping  cap * tanh(logits / cap) on the LM head (Gemma 2)
+
+What attention itself does per layer (its scale, soft-capping and window)
+belongs to the ``attention`` callable, which reads it from the config.
 
 Parameter names follow Hugging Face's except for two fusions, which
 ``load_weights`` undoes when it reads a checkpoint (unless the checkpoint
@@ -72,8 +81,11 @@ class LlamaAttention(torch.nn.Module):
         self.qk_norm = config.qk_norm
         if self.qk_norm is not None:
             per_head = self.qk_norm == "per_head"
-            self.q_norm = HeadRMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, dtype=dtype)
-            self.k_norm = HeadRMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, dtype=dtype)
+            offset = config.norm_weight_offset
+            self.q_norm = HeadRMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, dtype=dtype,
+                                      weight_offset=offset)
+            self.k_norm = HeadRMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, dtype=dtype,
+                                      weight_offset=offset)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor, rope: CosSin, attention: AttentionFn) -> torch.Tensor:
@@ -105,7 +117,12 @@ def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> torch.n
         return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                          config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob, dtype=dtype)
     return GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype,
-                    checkpoint_fused=config.fused_checkpoint_projections)
+                    checkpoint_fused=config.fused_checkpoint_projections, activation=config.mlp_activation)
+
+
+def make_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+    """One hidden-size RMSNorm of the model."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, weight_offset=config.norm_weight_offset)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -118,9 +135,9 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = make_norm(config, dtype)
         self.self_attn = LlamaAttention(config, layer_idx, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = make_norm(config, dtype)
         self.mlp = make_mlp(config, layer_idx, dtype)
 
     def forward(
@@ -145,9 +162,9 @@ class PostNormDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = make_norm(config, dtype)
         self.mlp = make_mlp(config, layer_idx, dtype)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_feedforward_layernorm = make_norm(config, dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: CosSin, attention: AttentionFn
@@ -157,7 +174,35 @@ class PostNormDecoderLayer(torch.nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
-_DECODER_LAYERS = {"pre": LlamaDecoderLayer, "post": PostNormDecoderLayer}
+class SandwichDecoderLayer(torch.nn.Module):
+    """Gemma's block: ``h = x + norm(attn(norm(x)))`` then ``h + norm(mlp(norm(h)))``.
+
+    Same calling convention as ``LlamaDecoderLayer``: takes (x_delta,
+    residual) and returns (mlp delta, h), the caller adding the last pair.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(config, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype)
+        self.post_attention_layernorm = make_norm(config, dtype)
+        self.pre_feedforward_layernorm = make_norm(config, dtype)
+        self.mlp = make_mlp(config, layer_idx, dtype)
+        self.post_feedforward_layernorm = make_norm(config, dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: CosSin, attention: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm(x, residual)
+        attn_out = self.post_attention_layernorm(self.self_attn(normed, rope, attention))
+        normed, residual = self.pre_feedforward_layernorm(attn_out, residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+
+_DECODER_LAYERS = {"pre": LlamaDecoderLayer, "post": PostNormDecoderLayer, "sandwich": SandwichDecoderLayer}
 
 
 class LlamaModel(torch.nn.Module):
@@ -166,25 +211,38 @@ class LlamaModel(torch.nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embedding_multiplier = config.embedding_multiplier
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's local layers turn with their own, unscaled tables.
+        self.sliding_rotary = None if config.sliding_rope_theta is None else RotaryEmbedding(
+            config.replace(rope_theta=config.sliding_rope_theta, rope_scaling=None))
+        self.sliding_rope_layers = frozenset(i for i in range(config.num_hidden_layers)
+                                             if config.uses_sliding_rope(i))
         # The fused rotary kernel turns whole heads; partial rotary stays in PyTorch.
         self.fused_rotary_fits = config.rotary_dim == config.head_dim
         layer_class = _DECODER_LAYERS[config.norm_placement]
         self.layers = torch.nn.ModuleList(layer_class(config, i, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = make_norm(config, dtype)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            # In the hidden dtype, as the reference rounds it.
+            hidden = hidden * torch.tensor(self.embedding_multiplier, dtype=hidden.dtype)
         # Looked up once, used by every layer.
-        if self.fused_ops is not None and self.fused_rotary_fits:
-            rope = self.rotary.rows(positions)  # float32 [T, D] each
-        else:
-            rope = self.rotary(positions, hidden.dtype)  # [T, 1, R] each
+        rope = self._rope(self.rotary, positions, hidden.dtype)
+        sliding_rope = rope if self.sliding_rotary is None else self._rope(self.sliding_rotary, positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope, attention)
+        for i, layer in enumerate(self.layers):
+            layer_rope = sliding_rope if i in self.sliding_rope_layers else rope
+            hidden, residual = layer(hidden, residual, layer_rope, attention)
         return self.norm(hidden, residual)[0]
+
+    def _rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
+        if self.fused_ops is not None and self.fused_rotary_fits:
+            return rotary.rows(positions)  # float32 [T, D] each
+        return rotary(positions, dtype)  # [T, 1, R] each
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -208,12 +266,19 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model(input_ids, positions, attention)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] of hidden states [N, hidden]."""
+        """float32 logits [N, vocab] of hidden states [N, hidden] (soft-capped where the model caps)."""
+        logits = self._head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         if self.tied_head_packed is not None:
-            return packed_weights.packed_linear(hidden, self.tied_head_packed, None).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return packed_weights.packed_linear(hidden, self.tied_head_packed, None)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, rotary and silu*up through ``ops`` (None: back to PyTorch's)."""

@@ -29,7 +29,12 @@ Longer prefill chunks run one sequence at a time on
 prefix.
 
 Everything index-shaped is computed once per step (``AttentionMetadata``)
-and reused by every layer.
+and reused by every layer; a model whose layers use different windows
+(Gemma's local and global layers) gets one plan per distinct window, each
+layer reading its own (``PagedAttention.layer_metadata``). With score
+soft-capping (Gemma 2) the SDPA calls compute their scores explicitly
+(``softcapped_attention``); the native kernel has no cap, and the runner does
+not give it such a model.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from cadence.models.attention_ref import softcapped_attention
 from cadence.runner.kv_cache import PagedKVCache
 from cadence.kernels.paged_attention import PagedAttentionKernel
 
@@ -313,6 +319,8 @@ class PagedAttention:
     q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (rotary already applied);
     returns ``[T, Hq, D]``. ``scale`` defaults to ``1/sqrt(D)``. ``kernel``
     runs ``metadata.short`` (required when the metadata has it).
+    ``layer_metadata``: the plans of layers whose window is not
+    ``metadata``'s, by layer. ``softcap``: soft-cap the scores (no kernel then).
     """
 
     def __init__(
@@ -322,13 +330,20 @@ class PagedAttention:
         *,
         scale: float | None = None,
         kernel: PagedAttentionKernel | None = None,
+        layer_metadata: dict[int, AttentionMetadata] | None = None,
+        softcap: float | None = None,
     ) -> None:
-        if metadata.short is not None and kernel is None:
+        plans = [metadata, *(layer_metadata or {}).values()]
+        if any(plan.short is not None for plan in plans) and kernel is None:
             raise ValueError("metadata indexes short queries for a native kernel, but none was given")
+        if softcap is not None and kernel is not None:
+            raise ValueError("the native attention kernel does not soft-cap scores")
         self.kv_cache = kv_cache
         self.metadata = metadata
+        self.layer_metadata = layer_metadata or {}
         self.scale = scale
         self.kernel = kernel
+        self.softcap = softcap
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -338,7 +353,8 @@ class PagedAttention:
         key_blocks = self.kv_cache.keys(layer_idx)  # [num_blocks, bs, Hkv, D]
         value_blocks = self.kv_cache.values(layer_idx)
         out = torch.empty_like(q)  # [T, Hq, D]
-        short = self.metadata.short
+        metadata = self.layer_metadata.get(layer_idx, self.metadata)
+        short = metadata.short
         if short is not None:
             scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
             self.kernel(
@@ -346,9 +362,9 @@ class PagedAttention:
                 short.query_len, short.seq_len, short.block_table,
                 short.sliding_window, scale,
             )
-        for plan in self.metadata.batched:
+        for plan in metadata.batched:
             self._attend_batched(plan, q, key_blocks, value_blocks, out)
-        for plan in self.metadata.prefills:
+        for plan in metadata.prefills:
             self._attend_prefill(plan, q, key_blocks, value_blocks, out)
         return out
 
@@ -370,8 +386,8 @@ class PagedAttention:
         qb = qb.permute(0, 2, 1, 3, 4).reshape(B, num_kv_heads, Qmax * group, head_dim)
         kb = _gather_blocks(key_blocks, plan.block_index, B, q.dtype)  # [B, Hkv, Lpad, D]
         vb = _gather_blocks(value_blocks, plan.block_index, B, q.dtype)
-        ob = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=plan.folded_mask(group), scale=self.scale
+        ob = softcapped_attention(
+            qb, kb, vb, attn_mask=plan.folded_mask(group), scale=self.scale, softcap=self.softcap
         )  # [B, Hkv, Qmax*G, D]
         ob = ob.view(B, num_kv_heads, Qmax, group, head_dim).permute(0, 2, 1, 3, 4)
         ob = ob.reshape(B * Qmax, num_heads, head_dim)
@@ -391,6 +407,13 @@ class PagedAttention:
         kv = slice(plan.kv_offset, plan.kv_offset + plan.kv_len)
         ks = _gather_blocks(key_blocks, plan.block_ids, 1, q.dtype)[:, :, kv]  # [1, Hkv, K, D]
         vs = _gather_blocks(value_blocks, plan.block_ids, 1, q.dtype)[:, :, kv]
+        if self.softcap is not None:
+            group = q.shape[1] // ks.shape[1]
+            ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)  # [1, Hq, K, D]
+            os = softcapped_attention(qs, ks, vs, attn_mask=plan.mask, is_causal=plan.mask is None,
+                                      scale=self.scale, softcap=self.softcap)
+            out[plan.query_start : plan.query_end] = os[0].transpose(0, 1)
+            return
         os = F.scaled_dot_product_attention(
             qs, ks, vs,
             attn_mask=plan.mask,

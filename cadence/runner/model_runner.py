@@ -90,6 +90,10 @@ class ModelRunner:
             raise ValueError(f"attention_backend: must be triton or cpu, got {attention_backend!r}")
         if self.attention_backend == "cpu" and self.device.type != "cpu":
             raise ValueError("attention_backend: the cpu backend runs on the CPU only")
+        # Layers that ignore the window (Gemma's global layers) read a plan of their own.
+        self.full_attention_layers = model_config.full_attention_layers if self.sliding_window else ()
+        if self.attention_backend == "triton":
+            _check_triton_supports(model_config, self.full_attention_layers)
         num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
         self.max_blocks_per_req = -(-(max_model_len + num_spec) // block_size)
         self.input_batch = InputBatch(
@@ -198,7 +202,9 @@ class ModelRunner:
         if paths.fused_ops is not None and paths.fused_ops.supports(dtype):
             self.model.use_fused_ops(paths.fused_ops)
         kernel = paths.attention_kernel
-        self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
+        # The native kernel has no score soft-capping: such models stay on SDPA.
+        fits = kernel is not None and kernel.supports(dtype) and self.model_config.attn_logit_softcapping is None
+        self.attention_kernel = kernel if fits else None
 
     # ------------------------------------------------------------ the step
 
@@ -238,19 +244,29 @@ class ModelRunner:
         """Hidden states of the step's tokens, and the rows to sample from (on the device)."""
         if self.stager is not None:
             return self._forward_triton(step)
-        metadata = AttentionMetadata.build(
+        metadata = self._plan_attention(step, self.sliding_window)
+        layer_metadata = {}
+        if self.full_attention_layers:
+            layer_metadata = dict.fromkeys(self.full_attention_layers, self._plan_attention(step, None))
+        config = self.model_config
+        attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel,
+                                   layer_metadata=layer_metadata, scale=config.attention_scale,
+                                   softcap=config.attn_logit_softcapping)
+        device = self.device
+        hidden = self.model(step.input_ids.to(device), step.positions.to(device), attention)
+        return hidden, step.logits_indices.to(device)
+
+    def _plan_attention(self, step: StepInputs, sliding_window: int | None) -> AttentionMetadata:
+        """The step's attention plan for layers attending within ``sliding_window``."""
+        return AttentionMetadata.build(
             step.query_start_loc.tolist(),
             step.seq_lens.tolist(),
             step.block_table,
             step.slot_mapping,
             self.block_size,
-            self.sliding_window,
+            sliding_window,
             native_short_queries=self.attention_kernel is not None,
         ).to(self.device)
-        attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel)
-        device = self.device
-        hidden = self.model(step.input_ids.to(device), step.positions.to(device), attention)
-        return hidden, step.logits_indices.to(device)
 
     def _forward_triton(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         staged = self.stager.stage(step)  # one host-to-device copy
@@ -488,6 +504,18 @@ class ModelRunner:
             # The next step computes positions num_tokens - 1 .. num_tokens - 1 + k.
             drafts.append(self.drafter.propose(tokens, self.max_model_len - len(tokens)))
         return drafts
+
+
+def _check_triton_supports(config: "ModelConfig", full_attention_layers: tuple[int, ...]) -> None:
+    """ValueError naming the architecture when the Triton attention cannot run its model."""
+    missing = [what for what, needed in (
+        ("attention score soft-capping", config.attn_logit_softcapping is not None),
+        ("per-layer sliding windows", bool(full_attention_layers)),
+        ("an attention scale other than head_dim ** -0.5", config.attention_scale is not None),
+    ) if needed]
+    if missing:
+        raise ValueError(f"attention_backend triton: {config.architecture} needs {', '.join(missing)}, "
+                         f"which the Triton attention does not implement (run it on the CPU backend)")
 
 
 def _make_drafter(config: "SpeculativeConfig | None") -> NgramDrafter | None:

@@ -33,7 +33,27 @@ CASES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                                      norm_topk_prob=True, head_dim=16),
                   "qwen3moe"),
+    # Gemma: small caps and window so that both matter (the window is 6 of the
+    # tests' 20-odd tokens); query_pre_attn_scalar 24 != head_dim 16.
+    # Layers 1 and 3 of 4 attend globally.
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                                               attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
+                                               tie_word_embeddings=True), "gemma2"),
+    # Layer 5 of 6 is global (the default pattern, 6): it turns with rope_theta
+    # 1e5 scaled by 2, the local layers with 1e4.
+    "gemma3_text": (transformers.Gemma3TextConfig,
+                    dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, num_hidden_layers=6,
+                         tie_word_embeddings=True,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 100000.0}}),
+                    "gemma3"),
 }
+# What a family's GGUF cannot say, so its GGUF test's model does not use it:
+# llama.cpp scales Gemma's q by head_dim ** -0.5 (hidden / heads in the 27B models only).
+GGUF_OVERRIDES = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3_text": dict(query_pre_attn_scalar=16)}
+# Families whose reference must run eager attention (SDPA has no score soft-capping).
+_EAGER = ("gemma2", "gemma3_text")
 
 
 def random_hf_model(case: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -41,7 +61,8 @@ def random_hf_model(case: str, seed: int = 0, **overrides) -> transformers.PreTr
     config_class, extra, _ = CASES[case]
     torch.manual_seed(seed)
     config = config_class(**{**SMALL, **extra, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    eager = {"attn_implementation": "eager"} if case in _EAGER else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **eager)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -66,7 +87,11 @@ _BLOCK_NAMES = {
     "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
 }
 # OLMo 2's post_attention_layernorm norms attention's output (no pre-norms at all).
-_FAMILY_BLOCK_NAMES = {"olmo2": {"post_attention_layernorm": "post_attention_norm"}}
+_GEMMA_BLOCK_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm"}
+_FAMILY_BLOCK_NAMES = {"olmo2": {"post_attention_layernorm": "post_attention_norm"},
+                       "gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
+# The converter stores Gemma's RMSNorm weights + 1 (llama.cpp norms compute x * weight).
+_NORM_SHIFTED = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
 _PERMUTED = ("llama", "smollm3")  # the converter reorders q/k rows for llama.cpp's interleaved rope
@@ -81,6 +106,8 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.float().numpy()
+        if arch in _NORM_SHIFTED and hf_name.endswith("norm.weight"):
+            values = values + 1
         if hf_name in _GLOBAL_NAMES:
             tensors[_GLOBAL_NAMES[hf_name]] = values
             continue
@@ -129,6 +156,9 @@ def write_gguf(path, model, arch: str) -> None:
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.num_experts_per_tok)
         writer.add_uint32(f"{arch}.expert_feed_forward_length", config.moe_intermediate_size)
+    if arch in _NORM_SHIFTED:
+        _add_gemma_metadata(writer, arch, config)
+        rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' rope
     writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
@@ -140,6 +170,21 @@ def write_gguf(path, model, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_gemma_metadata(writer: GGUFWriter, arch: str, config) -> None:
+    """What llama.cpp's converter writes beyond the common keys (Gemma 3's local rope and
+    layer pattern are llama.cpp's defaults: 10000 and every 6th layer global)."""
+    head_dim = config.head_dim
+    assert config.query_pre_attn_scalar == head_dim, "llama.cpp scales q by head_dim ** -0.5 (GGUF_OVERRIDES)"
+    writer.add_uint32(f"{arch}.attention.sliding_window", config.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None) is not None:
+            writer.add_float32(f"{arch}.{key}", getattr(config, key))
+    full_rope = config.rope_parameters.get("full_attention", {})
+    if full_rope.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", full_rope["factor"])
 
 
 def allowed_tensor_names(arch: str, num_layers: int) -> set[str]:

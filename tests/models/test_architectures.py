@@ -12,14 +12,15 @@ from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from cadence.models.gguf_loader import load_gguf_model, read_gguf
 from cadence.models.hf_loader import load_hf_model
-from tests.models.arch_cases import CASES, hf_logits, random_hf_model, write_gguf
+from tests.models.arch_cases import CASES, GGUF_OVERRIDES, hf_logits, random_hf_model, write_gguf
 
 IDS = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def cadence_logits(model, ids):
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), ReferenceAttention()))
+        attention = ReferenceAttention.for_model(model.config)
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attention))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -37,6 +38,8 @@ def test_hf_folder_logits_match_transformers(case, tmp_path):
 
 def test_gguf_logits_match_transformers(case, tmp_path):
     name, hf = case
+    if name in GGUF_OVERRIDES:
+        hf = random_hf_model(name, **GGUF_OVERRIDES[name])
     write_gguf(tmp_path / "m.gguf", hf, CASES[name][2])
     model, config = load_gguf_model(*read_gguf(str(tmp_path / "m.gguf")))
     assert config.architecture == name
@@ -63,6 +66,25 @@ def test_config_fields_say_what_each_family_differs_in(tmp_path):
     moe = fields["qwen3_moe"]
     assert (moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob) == (8, 3, True)
     assert [moe.is_moe_layer(i) for i in range(4)] == [True] * 4
+    gemma2, gemma3 = fields["gemma2"], fields["gemma3_text"]
+    assert gemma2.norm_placement == "sandwich" and gemma2.norm_weight_offset == 1.0
+    assert gemma2.mlp_activation == "gelu_tanh" and gemma2.embedding_multiplier == 8.0
+    assert gemma2.full_attention_layers == (1, 3) and gemma2.sliding_window == 6
+    assert [gemma2.layer_sliding_window(i) for i in range(4)] == [6, None, 6, None]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (2.0, 2.0)
+    assert gemma2.attention_scale == 24 ** -0.5 and gemma2.tie_word_embeddings
+    assert gemma3.qk_norm == "per_head" and gemma3.full_attention_layers == (5,)
+    assert (gemma3.rope_theta, gemma3.sliding_rope_theta) == (100000.0, 10000.0)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert [gemma3.uses_sliding_rope(i) for i in range(6)] == [True] * 5 + [False]
+    assert gemma3.attn_logit_softcapping is None
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3_text"])
+def test_gemma_parameters_counted(case):
+    hf = random_hf_model(case)
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    assert config.num_params() == sum(p.numel() for p in hf.parameters())
 
 
 def test_moe_parameters_counted():
@@ -94,3 +116,10 @@ def test_checkpoint_shape_disagreeing_with_config_names_the_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_norm\.weight' has shape \(16,\), "
                                          r"the model expects \(24,\)"):
         load_hf_model(str(tmp_path))
+
+
+def test_gemma_with_another_activation_names_it():
+    hf = random_hf_model("gemma2").config.to_dict()
+    hf["hidden_activation"] = "gelu"
+    with pytest.raises(ValueError, match="hidden_activation 'gelu' is not supported for Gemma"):
+        ModelConfig.from_hf_config(hf)

@@ -13,13 +13,14 @@ The model's forward is watched: the logits of every token it computed, at
 every step, must equal transformers' logits for the same request at the same
 position (full recompute), and the greedy tokens must be transformers' argmax.
 On the runner's default CPU paths (packed weights, C kernels) and on plain PyTorch.
+Gemma's tiny models have windows of 6 tokens, shorter than the prompts.
 """
 
 import pytest
 import torch
 
 from cadence.models.hf_loader import load_hf_model
-from cadence.runner.cpu_paths import CpuPaths
+from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
 from cadence.runner.model_runner import ModelRunner
 from tests.models.arch_cases import CASES, hf_logits, random_hf_model
 from tests.runner.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, HandScheduler
@@ -83,3 +84,26 @@ def test_paged_runner_logits_match_transformers(case, paths, tmp_path):
     for r, prompt in (("a", PROMPT_A), ("b", PROMPT_B)):
         greedy = expected[r][len(prompt) - 1:-1].argmax(dim=-1).tolist()
         assert sched.outputs(r) == greedy
+
+
+def test_soft_capping_keeps_the_native_attention_kernel_off(tmp_path):
+    """The C kernel has no score cap: Gemma 2 stays on SDPA; Gemma 3 keeps it where the CPU has it."""
+    kernels = {}
+    for case in ("gemma2", "gemma3_text"):
+        random_hf_model(case).save_pretrained(tmp_path / case)
+        model, config = load_hf_model(str(tmp_path / case))
+        runner = ModelRunner(model, config, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32,
+                             max_num_seqs=4, max_model_len=64)
+        kernels[case] = runner.attention_kernel
+    assert kernels["gemma2"] is None
+    if choose_cpu_paths(torch.float32).attention_kernel is not None:
+        assert kernels["gemma3_text"] is not None
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3_text"])
+def test_triton_attention_refuses_gemma_naming_the_architecture(case, tmp_path):
+    random_hf_model(case).save_pretrained(tmp_path)
+    model, config = load_hf_model(str(tmp_path))
+    with pytest.raises(ValueError, match=f"attention_backend triton: {case} needs .*per-layer sliding windows"):
+        ModelRunner(model, config, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32,
+                    max_num_seqs=4, max_model_len=64, attention_backend="triton")
