@@ -70,6 +70,9 @@ class RequestFactory:
 # ---------------------------------------------------------------- clocks
 
 
+_NO_STEP = ExecutedStep(0.0, StepShape(0, 0, 0, 0), 0)  # nothing executed
+
+
 class VirtualClock:
     """Advances by the simulated runner's cost of each step.
 
@@ -90,7 +93,7 @@ class VirtualClock:
         self.busy_seconds = 0.0
         self.host_seconds = 0.0
         self._step_start = 0.0
-        self.last_step: ExecutedStep = ExecutedStep(0.0, StepShape(0, 0, 0, 0), 0)
+        self.last_step: ExecutedStep = _NO_STEP
 
     def read(self) -> float:
         return self.now
@@ -101,7 +104,7 @@ class VirtualClock:
 
     def after_step(self) -> float:
         executed = self.runner.executed
-        self.last_step = step = executed.popleft() if executed else ExecutedStep(0.0, StepShape(0, 0, 0, 0), 0)
+        self.last_step = step = executed.popleft() if executed else _NO_STEP
         cost = step.seconds
         if self.charge_host_time:
             host = self.host_timer() - self._step_start
