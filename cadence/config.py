@@ -277,6 +277,23 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes and devices one engine spreads over."""
+
+    data_parallel_size: int = option(1, "Engine-core replicas behind one front end.")
+    tensor_parallel_size: int = option(
+        1, "Ranks (processes of this machine) one model is split over: attention heads, MLP, "
+           "embedding and LM head; the KV cache memory and num_threads are shared among them.")
+    distributed_executor_backend: str | None = option(
+        None, "mp (local processes) or ray (Ray actors on a Ray cluster).")
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
+                 f"must be mp or ray, got {self.distributed_executor_backend!r}")
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
@@ -325,6 +342,7 @@ class EngineOptions:
     cache: CacheConfig
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA disabled
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         refuse_undelivered(self.scheduler, self.speculative)
@@ -338,7 +356,7 @@ class EngineOptions:
         """
         groups: dict[type, dict[str, Any]] = {
             EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {},
-            LoRAConfig: {},
+            LoRAConfig: {}, ParallelConfig: {},
         }
         for name, value in options.items():
             owner = next((c for c in groups if name in field_names(c)), None)
@@ -355,6 +373,7 @@ class EngineOptions:
             cache=CacheConfig(**groups[CacheConfig]),
             speculative=speculative,
             lora=lora_config_of(groups[LoRAConfig]),
+            parallel=ParallelConfig(**groups[ParallelConfig]),
         )
 
 

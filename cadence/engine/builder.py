@@ -19,11 +19,14 @@ from cadence.core.sched.structured_output import StructuredOutputManager
 from cadence.engine.core import EngineCore
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
+from cadence.models.tensor_parallel import check_tensor_parallel
+from cadence.models.tp_group import collective_backend
 from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
 from cadence.runner.model_runner import ModelRunner
+from cadence.runner.tp_workers import start_driver
 from cadence.structured import GrammarBackendBase, make_grammar_backend
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, or a quarter of free memory if less
@@ -71,6 +74,7 @@ def assemble_engine(
     engine_config = options.engine
     device = next(model.parameters()).device
     dtype = model.dtype
+    check_tensor_parallel_options(options, model_config, device)
     max_model_len = min(options.scheduler.max_model_len, model_config.max_position_embeddings)
     scheduler_config = dataclasses.replace(options.scheduler, max_model_len=max_model_len)
     if model_config.sliding_window and scheduler_config.sliding_window is None:
@@ -110,12 +114,13 @@ def assemble_engine(
                                    if grammar_backend is not None else None),
     )
     if runner is None:
-        runner = ModelRunner(
-            model, model_config, block_size=cache_config.block_size, num_blocks=num_blocks,
+        runner_args = dict(
+            block_size=cache_config.block_size, num_blocks=num_blocks,
             dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
             device=device, speculative_config=options.speculative,
             sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
         )
+        runner = _cpu_runner(options, model, model_config, runner_args, log)
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
@@ -126,6 +131,45 @@ def assemble_engine(
     core = EngineCore(scheduler, runner, event_publisher=publisher_for(cache_config),
                       async_scheduling=scheduler_config.async_scheduling)
     return Engine(core, tokenizer, model_config, options, max_model_len, grammar_backend)
+
+
+def _cpu_runner(options, model, model_config, runner_args, log):
+    """The runner on the CPU: one ``ModelRunner``, or rank 0 of ``tensor_parallel_size`` ranks.
+
+    The KV cache's blocks are the same either way (the scheduler's): each
+    rank holds its share of the heads of every block, so the memory budget
+    is the engine's, spread over the ranks. So are the threads: each rank
+    runs ``num_threads`` / K of them (default: this process's torch threads / K).
+    """
+    size = options.parallel.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(model, model_config, **runner_args)
+    threads = max(1, (options.engine.num_threads or torch.get_num_threads()) // size)
+    torch.set_num_threads(threads)
+    runner = start_driver(model, model_config, size, num_threads=threads, **runner_args)
+    print(f"cadence: tensor parallel over {size} ranks (gloo, {threads} threads each; "
+          f"worker pids {runner.workers.pids()})", file=log)
+    return runner
+
+
+def check_tensor_parallel_options(options: EngineOptions, model_config: ModelConfig,
+                                  device: torch.device) -> None:
+    """ValueError naming the option when ``tensor_parallel_size`` > 1 cannot run with the others."""
+    parallel = options.parallel
+    size = parallel.tensor_parallel_size
+    if size == 1:
+        return
+    if parallel.distributed_executor_backend == "ray":
+        raise ValueError(f"distributed_executor_backend: ray places data-parallel engine cores; "
+                         f"tensor_parallel_size {size} runs its ranks as local processes (mp)")
+    if device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size {size}: ranks run on the CPU over gloo; the "
+                         f"{device.type} path ({collective_backend(device)}, one device per rank) "
+                         f"is not built")
+    if options.lora is not None:
+        raise ValueError(f"enable_lora: LoRA adapters are not split over ranks; "
+                         f"serve them with tensor_parallel_size 1 (got {size})")
+    check_tensor_parallel(model_config, size)
 
 
 def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, log):

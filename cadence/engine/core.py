@@ -170,6 +170,9 @@ class EngineCore:
                     future.cancel()
                 self._executor.shutdown(wait=True)
             self.scheduler.shutdown()
+            runner_shutdown = getattr(self.runner, "shutdown", None)
+            if runner_shutdown is not None:  # e.g. the tensor-parallel workers
+                runner_shutdown()
         finally:
             if self.event_publisher is not None:
                 self._publish_kv_events()
