@@ -101,3 +101,45 @@ def write_random_adapter(folder: str, config: ModelConfig, *, rank: int = 8, alp
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
                    "target_modules": list(targets), "bias": "none", "use_dora": False,
                    "use_rslora": False, "task_type": "CAUSAL_LM"}, f)
+
+
+def byte_tokenizer_json() -> str:
+    """A byte-level BPE with no merges, as a tokenizer.json: ids 0..255, one per byte."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = BackendTokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend.to_str()
+
+
+def write_hf_folder(folder: str, model: LlamaForCausalLM) -> None:
+    """A Hugging Face folder that ``load_model`` reads back as ``model`` (a "llama" of at
+    least 256 tokens): config.json, model.safetensors and a byte-level tokenizer
+    (``byte_tokenizer_json``), so an ``LLM`` or ``cadence serve`` runs a tiny random model."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    config = model.config
+    if config.architecture != "llama" or config.vocab_size < 256:
+        raise ValueError("write_hf_folder: writes llama models of at least 256 tokens")
+    hf_config = {
+        "model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+    }
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(byte_tokenizer_json())
+    save_file({name: tensor.contiguous() for name, tensor in hf_checkpoint(model).items()},
+              os.path.join(folder, "model.safetensors"))
