@@ -11,6 +11,7 @@ error, not hang it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from cadence.engine.llm import LLM
 from cadence.models.tensor_parallel import check_tensor_parallel
 from cadence.models.testing import random_model, tiny_config, write_hf_folder
 from cadence.runner.tp_workers import WorkerFailed
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import SamplingParams, StructuredOutputParams
 
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 30 + 7 * i))} for i in range(4)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -85,10 +86,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_two_ranks_give_the_tokens_of_one_and_exit_with_the_engine(folders, model):
+@pytest.mark.parametrize("model, options", [("mha", {}), ("gqa", {"async_scheduling": True})])
+def test_two_ranks_give_the_tokens_of_one_and_exit_with_the_engine(folders, model, options):
     expected = token_ids(generate(make_llm(folders[model], 1)))
-    llm = make_llm(folders[model], 2)
+    llm = make_llm(folders[model], 2, **options)
     pids = worker_pids(llm)
     try:
         assert pids and all(map(_alive, pids))
@@ -98,14 +99,17 @@ def test_two_ranks_give_the_tokens_of_one_and_exit_with_the_engine(folders, mode
     assert wait_gone(pids) == []
 
 
-def test_sampling_drafts_and_logprobs_match_one_rank(folders):
-    """Seeded random sampling, n-gram drafts and prompt logprobs: rank 0 samples
-    and drafts, the worker follows; the results are those of one rank."""
+def test_sampling_drafts_grammars_and_logprobs_match_one_rank(folders):
+    """Seeded random sampling, n-gram drafts, a grammar and prompt logprobs:
+    rank 0 samples, drafts and masks, the worker follows; the results are those of one rank."""
     seeded = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True, prompt_logprobs=2)
               for i in range(len(PROMPTS))]
     repetitive = [{"prompt_token_ids": [7, 8, 9, 10] * 6}, *PROMPTS[:2]]
+    regex = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputParams(
+        regex="[a-c]{3}[0-9]+"))
     one = make_llm(folders["gqa"], 1, num_speculative_tokens=3)
     expected, expected_drafted = generate(one, seeded), token_ids(generate(one, prompts=repetitive))
+    expected_text = generate(one, regex, PROMPTS[:1])[0].outputs[0].text
     llm = make_llm(folders["gqa"], 2, num_speculative_tokens=3)
     try:
         outputs = generate(llm, seeded)
@@ -117,6 +121,8 @@ def test_sampling_drafts_and_logprobs_match_one_rank(folders):
                     [want_row[t].logprob for t in sorted(want_row)], abs=1e-4)
         assert token_ids(generate(llm, prompts=repetitive)) == expected_drafted
         assert llm.spec_decoding_stats is not None and llm.spec_decoding_stats.num_drafts > 0
+        text = generate(llm, regex, PROMPTS[:1])[0].outputs[0].text
+        assert text == expected_text and re.fullmatch("[a-c]{3}[0-9]+", text)
     finally:
         llm.engine.core.shutdown()
 
