@@ -48,6 +48,7 @@ from cadence.runner.tp_runner import DriverRunner, ShardRunner
 # Bounds a collective whose peer hangs (a dead peer fails it at once), and the rendezvous.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 SHUTDOWN_GRACE_S = 5.0
+FAILURE_GRACE_S = 5.0  # after a collective fails: how long a worker may take to die or report
 _POLL_S = 0.2
 
 
@@ -157,13 +158,19 @@ class WorkerPool:
         for worker in self.workers:
             worker.send(("step", scheduler_output))
 
-    def find_failure(self) -> WorkerFailed | None:
-        """The first worker that failed or died, as an error; None when all live and none reported."""
-        for worker in self.workers:
-            worker.read_failure()
-            if worker.failure is not None or worker.process.poll() is not None:
-                return worker.failed()
-        return None
+    def find_failure(self, wait_s: float = FAILURE_GRACE_S) -> WorkerFailed | None:
+        """The first worker that failed or died, as an error; None when all still
+        live and none reported after ``wait_s`` (a dying worker's sockets may
+        close a moment before its process ends)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for worker in self.workers:
+                worker.read_failure()
+                if worker.failure is not None or worker.process.poll() is not None:
+                    return worker.failed()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(_POLL_S / 4)
 
     def pids(self) -> list[int]:
         return [worker.process.pid for worker in self.workers]
