@@ -103,8 +103,9 @@ def write_random_adapter(folder: str, config: ModelConfig, *, rank: int = 8, alp
                    "use_rslora": False, "task_type": "CAUSAL_LM"}, f)
 
 
-def byte_tokenizer_json() -> str:
-    """A byte-level BPE with no merges, as a tokenizer.json: ids 0..255, one per byte."""
+def byte_tokenizer_json(vocab_size: int = 256) -> str:
+    """A byte-level BPE with no merges, as a tokenizer.json: ids 0..255, one per
+    byte, then added tokens ``<|i|>`` up to ``vocab_size`` (so every id decodes)."""
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
@@ -112,6 +113,7 @@ def byte_tokenizer_json() -> str:
     backend = BackendTokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
+    backend.add_tokens([f"<|{i}|>" for i in range(len(alphabet), vocab_size)])
     return backend.to_str()
 
 
@@ -140,6 +142,6 @@ def write_hf_folder(folder: str, model: LlamaForCausalLM) -> None:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config, f)
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        f.write(byte_tokenizer_json())
+        f.write(byte_tokenizer_json(config.vocab_size))
     save_file({name: tensor.contiguous() for name, tensor in hf_checkpoint(model).items()},
               os.path.join(folder, "model.safetensors"))
