@@ -277,6 +277,46 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+DP_ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many engine cores serve, and over how many devices one model is split."""
+
+    data_parallel_size: int = option(1, "Engine-core replicas behind one front end.")
+    tensor_parallel_size: int = option(1, "Devices (worker processes) one model is split over.")
+    distributed_executor_backend: str | None = option(
+        None, "mp (local processes) or ray (Ray actors on a Ray cluster).")
+
+    def __post_init__(self) -> None:
+        _require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(self.distributed_executor_backend in (None, *DISTRIBUTED_EXECUTOR_BACKENDS),
+                 "distributed_executor_backend",
+                 f"must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                 f"got {self.distributed_executor_backend!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Which data-parallel replica serves each request (with data_parallel_size > 1)."""
+
+    dp_routing: str = option(
+        "cache_aware", "round_robin; least_loaded (fewest queued and running tokens); "
+                       "cache_aware (the replica holding the longest cached prefix of the "
+                       "prompt, unless its load passes the least loaded's by the margin).")
+    dp_load_margin_tokens: int = option(
+        8192, "cache_aware: the most queued and running tokens the chosen replica may have "
+              "beyond the least loaded one's; past it the least loaded one serves.")
+
+    def __post_init__(self) -> None:
+        _require(self.dp_routing in DP_ROUTING_POLICIES, "dp_routing",
+                 f"must be one of {', '.join(DP_ROUTING_POLICIES)}, got {self.dp_routing!r}")
+        _require(self.dp_load_margin_tokens >= 0, "dp_load_margin_tokens", "must be >= 0")
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
@@ -325,6 +365,8 @@ class EngineOptions:
     cache: CacheConfig
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA disabled
+    parallel: ParallelConfig = ParallelConfig()
+    router: RouterConfig = RouterConfig()
 
     def __post_init__(self) -> None:
         refuse_undelivered(self.scheduler, self.speculative)
@@ -338,7 +380,7 @@ class EngineOptions:
         """
         groups: dict[type, dict[str, Any]] = {
             EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {},
-            LoRAConfig: {},
+            LoRAConfig: {}, ParallelConfig: {}, RouterConfig: {},
         }
         for name, value in options.items():
             owner = next((c for c in groups if name in field_names(c)), None)
@@ -355,6 +397,8 @@ class EngineOptions:
             cache=CacheConfig(**groups[CacheConfig]),
             speculative=speculative,
             lora=lora_config_of(groups[LoRAConfig]),
+            parallel=ParallelConfig(**groups[ParallelConfig]),
+            router=RouterConfig(**groups[RouterConfig]),
         )
 
 

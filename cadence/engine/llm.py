@@ -29,6 +29,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, dtype=dtype, **engine_options)
+        parallel = self.options.parallel
+        if parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray":
+            raise ValueError("data_parallel_size: engine replicas serve behind cadence serve; "
+                             "offline generation runs one engine in this process")
         if self.options.scheduler.slo_reject:
             raise ValueError("slo_reject: refuses requests under load, which only a server can "
                              "answer (429); offline generation runs every request")
