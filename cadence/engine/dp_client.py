@@ -64,6 +64,10 @@ def make_async_llm(options: EngineOptions, *, stat_logger: StatLogger | None = N
 
 def check_dp_options(options: EngineOptions) -> None:
     """Refuse (ValueError naming it) what data parallelism cannot deliver yet."""
+    if options.parallel.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: not supported together with data_parallel_size "
+                         "> 1 or distributed_executor_backend ray yet (each replica runs the "
+                         "whole model in one process)")
     if options.parallel.data_parallel_size > 1 and options.cache.enable_kv_cache_events:
         raise ValueError("enable_kv_cache_events: not supported with data_parallel_size > 1 yet "
                          "(the front end subscribes to the replicas' events itself, for "
@@ -96,6 +100,9 @@ class ReplicaClient(AsyncLLM):
 
     def _mark_dead(self, message: str) -> None:
         if self._dead is None:
+            actor_error = getattr(self.process, "error", None)  # a Ray actor's, say ActorDiedError
+            if actor_error:
+                message = f"the engine actor died: {actor_error}"
             self.death = message
             super()._mark_dead(f"replica {self.rank}: {message}")
             self._on_dead(self.rank)
@@ -260,12 +267,16 @@ class DPAsyncLLM:
         return self.replicas[0].process
 
     def replica_health(self) -> list[dict[str, Any]]:
-        """Per replica: rank, alive, requests in flight, the router's load, why it died."""
-        return [{"rank": replica.rank, "alive": replica.is_alive, "pid": self._pid(replica),
-                 "num_requests": self.router.num_requests[replica.rank],
-                 "load_tokens": self.router.loads[replica.rank],
+        """Per replica: rank, alive, pid, requests in flight and ever routed, the
+        router's load, the prefix-cache blocks its events told of, why it died."""
+        router = self.router
+        return [{"rank": rank, "alive": replica.is_alive, "pid": self._pid(replica),
+                 "num_requests": router.num_requests[rank],
+                 "num_routed_total": router.num_routed_total[rank],
+                 "load_tokens": router.loads[rank],
+                 "num_cached_blocks": router.index.num_held_blocks(rank),
                  **({"error": replica.death} if replica.death else {})}
-                for replica in self.replicas]
+                for rank, replica in enumerate(self.replicas)]
 
     @staticmethod
     def _pid(replica: ReplicaClient) -> int | None:

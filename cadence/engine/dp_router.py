@@ -80,6 +80,10 @@ class PrefixIndex:
         own = self._own_hashes[rank]
         self._remove(rank, list(own))
 
+    def num_held_blocks(self, rank: int) -> int:
+        """Blocks ``rank``'s cache holds, as its events told."""
+        return len(self._own_hashes[rank])
+
     def num_matched_blocks(self, block_hashes: Sequence[int], rank: int) -> int:
         """Leading blocks ``rank`` holds (or a request in flight there will hold)."""
         num = 0
@@ -155,6 +159,7 @@ class DPRouter:
         self.load_margin_tokens = load_margin_tokens
         self.loads = [0] * num_replicas  # queued and running tokens per replica
         self.num_requests = [0] * num_replicas  # requests in flight per replica
+        self.num_routed_total = [0] * num_replicas  # requests ever routed per replica
         self.alive = [True] * num_replicas
         self.index = PrefixIndex(num_replicas, block_size)
         self.routed: dict[str, Routed] = {}
@@ -182,6 +187,7 @@ class DPRouter:
         self.index.add_in_flight(rank, hashes)
         self.loads[rank] += num_tokens
         self.num_requests[rank] += 1
+        self.num_routed_total[rank] += 1
         return rank
 
     def release(self, req_id: str) -> Routed | None:
