@@ -163,7 +163,7 @@ class DPRouter:
         self.alive = [True] * num_replicas
         self.index = PrefixIndex(num_replicas, block_size)
         self.routed: dict[str, Routed] = {}
-        self._next_rank = 0  # round robin's
+        self._next_rank = 0  # whose turn it is (round robin; idle replicas under the others)
 
     @property
     def num_replicas(self) -> int:
@@ -218,8 +218,8 @@ class DPRouter:
 
     def _choose(self, alive: list[int], matched: list[int]) -> int:
         if self.policy == "round_robin":
-            return self._round_robin(alive)
-        least_loaded = min(alive, key=lambda rank: (self.loads[rank], rank))
+            return self._take_turn(alive)
+        least_loaded = self._least_loaded(alive)
         if self.policy == "least_loaded":
             return least_loaded
         best = max(alive, key=lambda rank: (matched[rank], -self.loads[rank], -rank))
@@ -229,7 +229,15 @@ class DPRouter:
             return least_loaded  # the bound: affinity never costs more imbalance than the margin
         return best
 
-    def _round_robin(self, alive: list[int]) -> int:
+    def _least_loaded(self, alive: list[int]) -> int:
+        """Fewest tokens, then fewest requests; equals take turns (idle replicas share)."""
+        loads, num_requests, n = self.loads, self.num_requests, self.num_replicas
+        rank = min(alive, key=lambda r: (loads[r], num_requests[r], (r - self._next_rank) % n))
+        if loads[rank] == 0 and num_requests[rank] == 0:
+            self._next_rank = rank + 1
+        return rank
+
+    def _take_turn(self, alive: list[int]) -> int:
         rank = next((rank for rank in alive if rank >= self._next_rank), alive[0])
         self._next_rank = rank + 1
         return rank

@@ -142,3 +142,13 @@ def test_cache_aware_never_exceeds_the_imbalance_bound(num_replicas, margin, ste
         for req_id in in_flight:
             expected[router.routed[req_id].rank] += router.routed[req_id].num_tokens
         assert router.loads == expected
+
+
+def test_idle_replicas_take_turns_under_least_loaded_and_cache_aware():
+    for policy in ("least_loaded", "cache_aware"):
+        router = DPRouter(3, policy, block_size=BLOCK)
+        ranks = []
+        for i in range(4):
+            ranks.append(router.route(f"r{i}", [i + 1] * 8, 1))
+            router.release(f"r{i}")
+        assert ranks == [0, 1, 2, 0], policy
