@@ -115,3 +115,28 @@ def test_slo_policy_raises_goodput_of_interactive_requests(tmp_path):
     policies = json.loads((out / "summary.json").read_text())["policies"]
     met = {p: policies[p]["per_class"]["interactive"]["slo_fraction"] for p in ("fcfs", "slo")}
     assert met["slo"] >= 0.9 and met["slo"] >= 1.5 * met["fcfs"]
+
+
+def test_data_parallel_runs_compare_routing_policies(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = parse(["simulate", "--data-parallel-size", "3", "--dp-routing", "round_robin,cache_aware",
+                  "--num-requests", "90", "--rate", "60", "--prefix-groups", "6",
+                  "--prefix-fraction", "1", "--prefix-tokens", "128", "--out", str(out)])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "round_robin" in table and "cache_aware" in table and "prefix hit rate" in table
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 3
+    assert summary["policies"]["round_robin"]["requests_per_replica"] == [30, 30, 30]
+    assert sum(summary["policies"]["cache_aware"]["requests_per_replica"]) == 90
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--dp-routing", "random"], "dp_routing"),
+    (["--policy", "fcfs,priority"], "policy"),
+    (["--dp-load-margin-tokens", "-1"], "dp_load_margin_tokens"),
+])
+def test_data_parallel_options_are_checked(flags, field):
+    args = parse(["simulate", "--data-parallel-size", "2", "--num-requests", "4", *flags])
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        args.func(args)
