@@ -68,10 +68,23 @@ def check_dp_options(options: EngineOptions) -> None:
         raise ValueError("tensor_parallel_size: not supported together with data_parallel_size "
                          "> 1 or distributed_executor_backend ray yet (each replica runs the "
                          "whole model in one process)")
+    device = options.engine.device
+    if options.parallel.distributed_executor_backend == "ray" and device.startswith("cuda:"):
+        raise ValueError(f"device: {device!r} names one GPU, but with distributed_executor_backend "
+                         "ray, Ray gives each replica its own GPU; give cuda (or auto)")
     if options.parallel.data_parallel_size > 1 and options.cache.enable_kv_cache_events:
         raise ValueError("enable_kv_cache_events: not supported with data_parallel_size > 1 yet "
                          "(the front end subscribes to the replicas' events itself, for "
                          "--dp-routing cache_aware)")
+
+
+def local_replica_options(options: EngineOptions, rank: int) -> EngineOptions:
+    """A local replica's options: with ``device`` cuda, replica ``rank`` gets GPU
+    ``rank`` (on Ray, Ray gives each actor its GPU instead)."""
+    if options.engine.device != "cuda" or options.parallel.data_parallel_size == 1:
+        return options
+    return dataclasses.replace(options, engine=dataclasses.replace(options.engine,
+                                                                   device=f"cuda:{rank}"))
 
 
 # ---------------------------------------------------------------- one replica
@@ -186,8 +199,9 @@ class DPAsyncLLM:
         if self._ray is not None:
             return self._ray.start(replica.rank, options, replica.input_address,
                                    replica.output_address, model_name)
-        return start_engine_process(options, replica.input_address, replica.output_address,
-                                    model_name, dp_rank=replica.rank)
+        return start_engine_process(local_replica_options(options, replica.rank),
+                                    replica.input_address, replica.output_address, model_name,
+                                    dp_rank=replica.rank)
 
     def _subscribe_to_kv_events(self, options: EngineOptions) -> EngineOptions:
         """Bind the SUB socket the replicas publish to; their options, pointing at it."""

@@ -116,8 +116,16 @@ class RayEngines:
         if not ray.is_initialized():
             self._started_ray = self._connect(options.parallel.data_parallel_size * self.num_cpus)
         self.node_ip = ray.util.get_node_ip_address()
+        self.num_gpus = self._gpus_per_actor(options.engine.device)
         self._actor_class = ray.remote(EngineCoreActor)
         self.handles: list[RayEngineHandle] = []
+
+    def _gpus_per_actor(self, device: str) -> int:
+        """1 with device cuda (or auto on a cluster with GPUs): Ray gives each actor
+        its own GPU (CUDA_VISIBLE_DEVICES) on whichever node it places it."""
+        if device == "cuda":
+            return 1
+        return int(device == "auto" and self._ray.cluster_resources().get("GPU", 0) > 0)
 
     def _connect(self, num_cpus_needed: int) -> bool:
         """Join ``RAY_ADDRESS`` or a running cluster; else start a local Ray (True)."""
@@ -139,7 +147,7 @@ class RayEngines:
     def start(self, rank: int, options: EngineOptions, input_address: str, output_address: str,
               model_name: str) -> RayEngineHandle:
         actor = self._actor_class.options(
-            num_cpus=self.num_cpus, name=f"cadence-engine-core-{rank}-{os.getpid()}",
+            num_cpus=self.num_cpus, num_gpus=self.num_gpus, name=f"cadence-engine-core-{rank}-{os.getpid()}",
             scheduling_strategy="SPREAD", max_restarts=0).remote()
         pid_ref = actor.pid.remote()  # before run: an actor runs its calls in order
         run_ref = actor.run.remote(options, input_address, output_address, model_name, rank)
