@@ -127,6 +127,7 @@ def test_a_shared_prefix_follows_the_replica_that_cached_it(dp_server):
 
 
 def test_killing_a_replica_fails_its_requests_and_the_other_serves_on(dp_server):
+    """Last: it kills one replica, then the other."""
     stream = RawStream(dp_server, {"model": MODEL, "prompt": "Tell me a long story.",
                                    "max_tokens": 900, "temperature": 0, "ignore_eos": True})
     assert wait_until(stream.started, 60)
@@ -147,3 +148,6 @@ def test_killing_a_replica_fails_its_requests_and_the_other_serves_on(dp_server)
     metrics = httpx.get(f"{dp_server.base_url}/metrics", timeout=10).text
     assert f'cadence:dp_replica_up{{model_name="{MODEL}",replica="{victim["rank"]}"}} 0.0' in metrics
     assert dp_server.process.poll() is None
+    # The server exits (for a supervisor to restart it) only when no replica is left.
+    os.kill(health(dp_server)[survivor]["pid"], signal.SIGKILL)
+    assert dp_server.process.wait(30) not in (0, None)
