@@ -189,7 +189,7 @@ class DPAsyncLLM:
     async def start(self, options: EngineOptions, model_name: str,
                     timeout_s: float = 600.0) -> EngineReady:
         """Start every replica's engine (at once) and wait for all handshakes."""
-        if self.router.policy == "cache_aware":
+        if self.router.policy == "cache_aware" and self.router.num_replicas > 1:
             options = self._subscribe_to_kv_events(options)
         await asyncio.gather(*(replica.start(options, model_name, timeout_s)
                                for replica in self.replicas))
