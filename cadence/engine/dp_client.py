@@ -209,7 +209,8 @@ class DPAsyncLLM:
         socket = self._events_ctx.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
-        port = socket.bind_to_random_port("tcp://*")
+        # Local replicas reach it on the loopback; Ray actors from any node.
+        port = socket.bind_to_random_port("tcp://*" if self._ray is not None else "tcp://127.0.0.1")
         # Not a wildcard: each replica's publisher connects to it (kv_events.binds).
         self.events_address = f"tcp://{self._tcp_host}:{port}"
         self._events_task = asyncio.create_task(self._absorb_kv_events(socket),

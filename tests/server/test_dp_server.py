@@ -44,6 +44,9 @@ def ray_address():
     with open(log_path, "w") as log:
         head = subprocess.Popen(
             [str(ray), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+             # Free ports where Ray has fixed defaults: another Ray on this machine keeps its own.
+             "--dashboard-agent-listen-port", str(free_port()),
+             "--metrics-export-port", str(free_port()),
              "--object-store-memory", str(100 * 2**20), "--include-dashboard", "false",
              "--temp-dir", temp_dir, "--disable-usage-stats"],
             stdout=log, stderr=subprocess.STDOUT,
