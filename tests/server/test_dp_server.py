@@ -30,6 +30,10 @@ from tests.server.serverlib import RawStream, Server, free_port, start_server, s
 MODEL = "SmolLM2-135M-Instruct"
 DP_ARGS = ["--data-parallel-size", "2", "--num-gpu-blocks", "128", "--max-model-len", "1024"]
 RAY_START_TIMEOUT_S = 60
+# The test cluster listens on this machine only for the module; without token
+# authentication whether or not a token was ever saved in ~/.ray (Ray turns it
+# on for `ray start` when one was, and never for a driver given an address).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # Eight full 16-token blocks, whatever the tokenizer does with the text.
 SHARED_PREFIX = "You are a careful assistant. " + " ".join(f"rule {i} holds." for i in range(40))
 
@@ -50,7 +54,7 @@ def ray_address():
              "--object-store-memory", str(100 * 2**20), "--include-dashboard", "false",
              "--temp-dir", temp_dir, "--disable-usage-stats"],
             stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+            env=dict(os.environ, **RAY_ENV))
     try:
         started = wait_until(lambda: head.poll() is not None
                              or "Ray runtime started" in log_path.read_text(), RAY_START_TIMEOUT_S)
@@ -71,7 +75,7 @@ def dp_server(request, make_server, tmp_path_factory):
     """A server with two replicas; it is stopped before the next backend's starts."""
     env, args = {}, list(DP_ARGS)
     if request.param == "ray":
-        env["RAY_ADDRESS"] = request.getfixturevalue("ray_address")
+        env.update(RAY_ENV, RAY_ADDRESS=request.getfixturevalue("ray_address"))
         args += ["--distributed-executor-backend", "ray"]
     server = start_server(f"dp-{request.param}", args, tmp_path_factory.mktemp("server"), env=env)
     make_server.servers.append(server)  # checked at rest after each test (conftest)
