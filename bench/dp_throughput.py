@@ -79,6 +79,13 @@ def _tree_cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def pin_process(pid: int, core: int) -> None:
+    """Every thread of ``pid`` on ``core`` (affinity is per thread; threads started
+    later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
+
+
 def _engine_pids(llm) -> list[int]:
     replicas = getattr(llm, "replicas", None) or [llm]
     return [replica.process.pid for replica in replicas]
@@ -117,7 +124,7 @@ async def measure(shape: Shape, model_path: str, prompt_ids: list[list[int]], ma
     pids = _engine_pids(llm)
     if shape.pinned:
         for core, pid in enumerate(pids):
-            os.sched_setaffinity(pid, {core})
+            pin_process(pid, core)
     runs = []
     try:
         await generate(llm, WARMUP_PROMPTS, WARMUP_TOKENS, "warmup")
