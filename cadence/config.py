@@ -12,7 +12,7 @@ from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "slo")
 # Options that belong to one policy (refused with any other).
-POLICY_OPTIONS = {"fair": ("fair_client_weights",), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
+POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 # Drafting methods that need KV slots beyond the verified tokens for the
 # drafter's own forward passes (the draft model writes its KV there).
@@ -63,6 +63,12 @@ class SchedulerConfig:
                                  "named by the request's user); slo (latency targets first).")
     fair_client_weights: str | None = option(
         None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1)."
+    )
+    fair_short_step_tokens: int | None = option(
+        None, "With policy fair: the token budget of a step that serves only more-served "
+              "clients' prompts while a less-served client is active, so that client's next "
+              "request waits for a short step in flight (default: 3/8 of "
+              "max_num_batched_tokens; max_num_batched_tokens turns it off)."
     )
     slo_ttft_s: float | None = option(
         None, "With policy slo: the time-to-first-token target of requests that set none (s)."
@@ -134,6 +140,10 @@ class SchedulerConfig:
         if self.fair_client_weights is not None:
             _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
             parse_client_weights(self.fair_client_weights)
+        if self.fair_short_step_tokens is not None:
+            _require(self.policy == "fair", "fair_short_step_tokens", "applies to policy fair only")
+            _require(1 <= self.fair_short_step_tokens <= self.max_num_batched_tokens,
+                     "fair_short_step_tokens", "must be between 1 and max_num_batched_tokens")
         _require(
             self.policy in SCHEDULING_POLICIES,
             "policy",
@@ -277,9 +287,13 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+DP_ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many processes and devices one engine spreads over."""
+    """How many engine cores serve, and over how many devices one model is split."""
 
     data_parallel_size: int = option(1, "Engine-core replicas behind one front end.")
     tensor_parallel_size: int = option(
@@ -289,9 +303,30 @@ class ParallelConfig:
         None, "mp (local processes) or ray (Ray actors on a Ray cluster).")
 
     def __post_init__(self) -> None:
+        _require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        _require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
-                 f"must be mp or ray, got {self.distributed_executor_backend!r}")
+        _require(self.distributed_executor_backend in (None, *DISTRIBUTED_EXECUTOR_BACKENDS),
+                 "distributed_executor_backend",
+                 f"must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                 f"got {self.distributed_executor_backend!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Which data-parallel replica serves each request (with data_parallel_size > 1)."""
+
+    dp_routing: str = option(
+        "cache_aware", "round_robin; least_loaded (fewest queued and running tokens); "
+                       "cache_aware (the replica holding the longest cached prefix of the "
+                       "prompt, unless its load passes the least loaded's by the margin).")
+    dp_load_margin_tokens: int = option(
+        8192, "cache_aware: the most queued and running tokens the chosen replica may have "
+              "beyond the least loaded one's; past it the least loaded one serves.")
+
+    def __post_init__(self) -> None:
+        _require(self.dp_routing in DP_ROUTING_POLICIES, "dp_routing",
+                 f"must be one of {', '.join(DP_ROUTING_POLICIES)}, got {self.dp_routing!r}")
+        _require(self.dp_load_margin_tokens >= 0, "dp_load_margin_tokens", "must be >= 0")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -343,6 +378,7 @@ class EngineOptions:
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA disabled
     parallel: ParallelConfig = ParallelConfig()
+    router: RouterConfig = RouterConfig()
 
     def __post_init__(self) -> None:
         refuse_undelivered(self.scheduler, self.speculative)
@@ -356,7 +392,7 @@ class EngineOptions:
         """
         groups: dict[type, dict[str, Any]] = {
             EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {},
-            LoRAConfig: {}, ParallelConfig: {},
+            LoRAConfig: {}, ParallelConfig: {}, RouterConfig: {},
         }
         for name, value in options.items():
             owner = next((c for c in groups if name in field_names(c)), None)
@@ -374,6 +410,7 @@ class EngineOptions:
             speculative=speculative,
             lora=lora_config_of(groups[LoRAConfig]),
             parallel=ParallelConfig(**groups[ParallelConfig]),
+            router=RouterConfig(**groups[RouterConfig]),
         )
 
 

@@ -17,12 +17,12 @@ import typing
 from typing import Any
 
 from cadence.config import (
-    CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
-    field_names,
+    CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, RouterConfig, SchedulerConfig,
+    SpeculativeConfig, field_names,
 )
 
 ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig, LoRAConfig,
-                         ParallelConfig)
+                         ParallelConfig, RouterConfig)
 
 
 def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:

@@ -63,6 +63,16 @@ def new_ipc_addresses() -> tuple[str, str, str]:
     return folder, f"ipc://{folder}/input", f"ipc://{folder}/output"
 
 
+def bind(socket: zmq.Socket, ipc_address: str, tcp_host: str | None) -> str:
+    """Bind ``socket`` to ``ipc_address``, or to a free TCP port on every interface
+    when ``tcp_host`` is given; the address an engine connects to."""
+    if tcp_host is None:
+        socket.bind(ipc_address)
+        return ipc_address
+    port = socket.bind_to_random_port("tcp://*")
+    return f"tcp://{tcp_host}:{port}"
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -222,8 +232,10 @@ class AsyncLLM:
     """
 
     def __init__(self, *, stat_logger: StatLogger | None = None,
-                 max_num_queued_requests: int | None = None) -> None:
-        self._folder, self.input_address, self.output_address = new_ipc_addresses()
+                 max_num_queued_requests: int | None = None, tcp_host: str | None = None) -> None:
+        """``tcp_host``: talk to the engine over TCP, the engine connecting to this
+        host (an engine on another machine), instead of over Unix sockets."""
+        self._folder, input_address, output_address = new_ipc_addresses()
         self._slo_defaults: tuple[float | None, float | None] = (None, None)  # see start
         self._grammar_backend_name = "llguidance"  # see start
         # Whether the engine may refuse a request after it was sent (--slo-reject).
@@ -235,11 +247,11 @@ class AsyncLLM:
         self._input = self._send_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.bind(self.input_address)
+        self.input_address = bind(self._input, input_address, tcp_host)
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(self.output_address)
+        self.output_address = bind(self._output, output_address, tcp_host)
         self.stat_logger = stat_logger
         self.max_num_queued_requests = max_num_queued_requests
         self.tokenizer: Tokenizer | None = None
@@ -269,11 +281,15 @@ class AsyncLLM:
         self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
         if scheduler.policy == "slo":
             self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
-        process = start_engine_process(options, self.input_address, self.output_address,
-                                       model_name)
+        process = self._spawn_engine(options, model_name)
         self.process = process  # owned from here: shutdown() stops it even if loading fails
         tokenizer = await asyncio.to_thread(load_tokenizer, options.engine.model)
         return await self._attach(process, tokenizer, timeout_s)
+
+    def _spawn_engine(self, options: EngineOptions, model_name: str) -> Any:
+        """The engine process (anything with a ``multiprocessing.Process``'s
+        sentinel, is_alive, join, kill, exitcode and pid)."""
+        return start_engine_process(options, self.input_address, self.output_address, model_name)
 
     async def _attach(self, process: Any, tokenizer: Tokenizer, timeout_s: float) -> EngineReady:
         """Wait for the engine's handshake, then start routing its outputs."""

@@ -36,27 +36,33 @@ _IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent lives
 
 
 def start_engine_process(
-    options: EngineOptions, input_address: str, output_address: str, model_name: str
+    options: EngineOptions, input_address: str, output_address: str, model_name: str,
+    dp_rank: int | None = None,
 ) -> multiprocessing.process.BaseProcess:
-    """Spawn the engine core (a fresh interpreter: no inherited threads or torch state)."""
+    """Spawn the engine core (a fresh interpreter: no inherited threads or torch state);
+    ``dp_rank``: its rank among data-parallel replicas (stamped on its KV events)."""
     context = multiprocessing.get_context("spawn")
+    name = "cadence-engine-core" if dp_rank is None else f"cadence-engine-core-{dp_rank}"
     process = context.Process(
         target=run_engine_core, args=(options, input_address, output_address, model_name),
-        name="cadence-engine-core", daemon=True,
+        kwargs={"dp_rank": dp_rank}, name=name, daemon=True,
     )
     process.start()
     return process
 
 
 def run_engine_core(options: EngineOptions, input_address: str, output_address: str,
-                    model_name: str) -> None:
-    """The process's entry point."""
-    # Ctrl-C reaches the whole process group: the front end handles it and
-    # sends us a shutdown message (or dies, which we notice).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM to the whole group (systemd, Kubernetes) must not cut the drain:
-    # the front end drains, then sends shutdown; we also exit if it dies.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    model_name: str, *, dp_rank: int | None = None,
+                    own_signals: bool = True) -> None:
+    """The process's entry point (``own_signals``: False in a Ray actor, whose
+    process Ray manages)."""
+    if own_signals:
+        # Ctrl-C reaches the whole process group: the front end handles it and
+        # sends us a shutdown message (or dies, which we notice).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # SIGTERM to the whole group (systemd, Kubernetes) must not cut the drain:
+        # the front end drains, then sends shutdown; we also exit if it dies.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -67,6 +73,8 @@ def run_engine_core(options: EngineOptions, input_address: str, output_address: 
         from cadence.engine.builder import build_engine
 
         engine = build_engine(options)
+        if dp_rank is not None and engine.core.event_publisher is not None:
+            engine.core.event_publisher.data_parallel_rank = dp_rank
     except Exception:
         outputs.send_multipart(wire.encode(wire.FAILED, wire.EngineFailed(traceback.format_exc())))
         outputs.close(linger=2000)
@@ -137,6 +145,9 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         outputs = self.core.step()
+        for request_id, why in self.core.take_request_errors().items():
+            error = wire.RequestError(request_id, why)
+            self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
         if not outputs:
             # No request produced anything (prefill chunks, or only frees after an
             # abort): still send the stats, so gauges such as KV usage stay current.

@@ -109,6 +109,10 @@ class PrometheusStatLogger:
         self._spec_totals: SpecDecodingStats | None = None
         self._frontend_gauges = {f.name: gauge(f"frontend_{f.name}", _FRONTEND_DOCS[f.name])
                                  for f in fields(FrontendState)}
+        self._replica_up = Gauge(
+            "cadence:dp_replica_up", "Data parallel: 1 while the engine replica serves, 0 once "
+            "it died.", ["model_name", "replica"], registry=self.registry)
+        self._read_replicas: Callable[[], list[bool]] | None = None
 
     # ---- StatLogger ---------------------------------------------------
 
@@ -177,7 +181,14 @@ class PrometheusStatLogger:
         for name, frontend_gauge in self._frontend_gauges.items():
             frontend_gauge.set_function(lambda name=name: getattr(read(), name))
 
+    def watch_replicas(self, read: Callable[[], list[bool]]) -> None:
+        """Data parallel: ``read()`` is each replica's liveness, by rank (read at scrape time)."""
+        self._read_replicas = read
+
     def render(self) -> bytes:
+        if self._read_replicas is not None:
+            for rank, alive in enumerate(self._read_replicas()):
+                self._replica_up.labels(self._model_name, str(rank)).set(int(alive))
         return prometheus_client.generate_latest(self.registry)
 
 

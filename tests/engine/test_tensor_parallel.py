@@ -195,7 +195,7 @@ def test_options_it_does_not_combine_with_are_refused(folders, options, message)
 
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size: must be >= 1"),
-    (dict(distributed_executor_backend="mpi"), "distributed_executor_backend: must be mp or ray"),
+    (dict(distributed_executor_backend="mpi"), "distributed_executor_backend: must be one of mp, ray"),
 ])
 def test_invalid_parallel_options_are_refused(folders, options, message):
     with pytest.raises(ValueError, match=message):
