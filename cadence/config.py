@@ -278,6 +278,7 @@ class LoRAConfig:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "gguf", "none")  # as cadence.models.quantized.QUANTIZATION_MODES
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
 
@@ -292,6 +293,13 @@ class EngineConfig:
         "auto",
         "Weights and KV-cache dtype: auto (bfloat16 where the CPU computes it natively, "
         "float32 elsewhere; on a GPU the checkpoint's own), float32, bfloat16 or float16.",
+    )
+    quantization: str = option(
+        "auto",
+        "GGUF weights: auto (Q8_0, Q4_0, Q4_1 and Q4_K matmul weights stay in their blocks on the "
+        "CPU where the C kernel builds; other types, and every weight elsewhere, dequantized at "
+        "load), gguf (those types always kept, in PyTorch without the C kernel; other quantized "
+        "types refused), none (every weight dequantized to dtype at load).",
     )
     device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice).")
@@ -310,6 +318,8 @@ class EngineConfig:
                  f"must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                  f"got {self.structured_outputs_backend!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.quantization in QUANTIZATIONS, "quantization",
+                 f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                  "device", f"must be cpu, cuda[:N] or auto, got {self.device!r}")
         if self.num_threads is not None:

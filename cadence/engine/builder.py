@@ -19,7 +19,8 @@ from cadence.core.sched.structured_output import StructuredOutputManager
 from cadence.engine.core import EngineCore
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
-from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype
+from cadence.models.quantized import describe as describe_quantized
+from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype, resolve_quantization
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -49,7 +50,10 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
     torch.manual_seed(engine_config.seed)
     device = resolve_device(engine_config.device)
     dtype = _resolve_dtype(engine_config, device)
-    model, tokenizer, model_config = load_model(engine_config.model, dtype)
+    quantization, note = resolve_quantization(engine_config.quantization, device)
+    if note is not None:
+        print(f"cadence: {note}", file=log)
+    model, tokenizer, model_config = load_model(engine_config.model, dtype, quantization)
     model.to(device)
     return assemble_engine(options, model, model_config, tokenizer, log=log)
 
@@ -118,6 +122,10 @@ def assemble_engine(
         )
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
+    kept = model.quantized_weights() if hasattr(model, "quantized_weights") else []
+    if kept:
+        reason = runner.cpu_paths.quant_reason if runner.cpu_paths is not None else "PyTorch"
+        print(f"cadence: weights kept quantized: {describe_quantized(kept)}; {reason}", file=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
     engine_config = dataclasses.replace(engine_config, dtype=str(dtype).removeprefix("torch."))
     options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,

@@ -201,6 +201,8 @@ class ModelRunner:
             self.model.pack_weights()
         if paths.fused_ops is not None and paths.fused_ops.supports(dtype):
             self.model.use_fused_ops(paths.fused_ops)
+        if hasattr(self.model, "use_quant_kernel"):
+            self.model.use_quant_kernel(paths.quant_matmul)
         kernel = paths.attention_kernel
         # The native kernel has no score soft-capping: such models stay on SDPA.
         fits = kernel is not None and kernel.supports(dtype) and self.model_config.attn_logit_softcapping is None
