@@ -41,26 +41,32 @@ class QuantMatmul:
             function = getattr(library, name)
             function.restype, function.argtypes = ctypes.c_int, argtypes
             self._functions[name] = function
+        self._matmul = self._functions["quant_matmul"]
         describe = library.quant_matmul_isa
         describe.restype, describe.argtypes = ctypes.c_char_p, []
         self.isa: str = describe().decode()
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
         """float32 ``x [M, k] @ W^T`` -> [M, N], W being ``blocks`` uint8 [N, row bytes] of ``type_id``."""
-        _check_blocks(blocks, type_id, k)
+        check_blocks(blocks, type_id, k)
+        return self.matmul_checked_blocks(x, blocks, type_id, k)
+
+    def matmul_checked_blocks(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+        """``matmul`` for blocks the caller has passed through ``check_blocks`` once (a model's
+        weights, at load): a decode step makes hundreds of these calls, each a few microseconds."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"quant_matmul: x must be float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-        status = self._functions["quant_matmul"](
-            type_id, blocks.data_ptr(), blocks.shape[0], k, x.data_ptr(), x.shape[0], k,
-            out.data_ptr(), blocks.shape[0])
-        _check_status(status)
+        n = blocks.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        status = self._matmul(type_id, blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], k, out.data_ptr(), n)
+        if status:
+            _check_status(status)
         return out
 
     def dequantize_rows(self, blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of W as float32 [*ids.shape, k] (an embedding lookup)."""
-        _check_blocks(blocks, type_id, k)
+        check_blocks(blocks, type_id, k)
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= blocks.shape[0]):
             raise IndexError(f"quant_dequantize_rows: ids out of range [0, {blocks.shape[0]})")
@@ -77,7 +83,8 @@ def row_bytes(type_id: int, k: int) -> int:
     return k // values * size
 
 
-def _check_blocks(blocks: torch.Tensor, type_id: int, k: int) -> None:
+def check_blocks(blocks: torch.Tensor, type_id: int, k: int) -> None:
+    """ValueError unless ``blocks`` holds rows of ``k`` values of ``type_id`` as the kernel reads them."""
     if type_id not in KERNEL_TYPES:
         raise ValueError(f"quant_matmul: no kernel for ggml type {type_id}")
     name, values, _ = KERNEL_TYPES[type_id]

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGMLType
 
+from cadence.kernels.quant_matmul import check_blocks
 from cadence.models.dequant import FLOAT_TYPES
 
 if TYPE_CHECKING:
@@ -49,6 +50,10 @@ class QuantizedTensor:
     ggml_type: GGMLType
     blocks: torch.Tensor
     cols: int
+
+    def __post_init__(self) -> None:
+        if self.ggml_type in KERNEL_TYPES:
+            check_blocks(self.blocks, int(self.ggml_type), self.cols)  # once, not per product
 
     @classmethod
     def from_gguf(cls, ggml_type: GGMLType, data: np.ndarray, shape: tuple[int, int]) -> "QuantizedTensor":
@@ -124,8 +129,10 @@ def _stack(run: list[Part]) -> Part:
 def linear(x: torch.Tensor, parts: tuple[Part, ...], bias: torch.Tensor | None,
            kernel: "QuantMatmul | None") -> torch.Tensor:
     """``x [..., in] @ W.T (+ bias)`` for W stored as ``parts`` (stacked by rows)."""
-    outputs = [matmul(x, part, kernel) for part in parts]
-    y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+    if len(parts) == 1:
+        y = matmul(x, parts[0], kernel)
+    else:
+        y = torch.cat([matmul(x, part, kernel) for part in parts], dim=-1)
     return y if bias is None else y + bias
 
 
@@ -135,8 +142,10 @@ def matmul(x: torch.Tensor, weight: Part, kernel: "QuantMatmul | None") -> torch
         return F.linear(x, weight)
     if kernel is None:
         return F.linear(x, weight.dequantize().to(x.dtype))
+    if x.dim() == 2 and x.dtype == torch.float32:  # the model's case: no reshaping, no casts
+        return kernel.matmul_checked_blocks(x, weight.blocks, weight.ggml_type.value, weight.cols)
     rows = x.reshape(-1, weight.cols).float()
-    y = kernel.matmul(rows, weight.blocks, int(weight.ggml_type), weight.cols)
+    y = kernel.matmul_checked_blocks(rows, weight.blocks, weight.ggml_type.value, weight.cols)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
