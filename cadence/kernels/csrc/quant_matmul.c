@@ -205,6 +205,8 @@ static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict 
  * out[r * os + c] = sum_k x[r][k] w[c][k]. K is a multiple of 32. */
 
 #ifdef QUANT_AVX2
+static const char ISA[] = "AVX2 FMA";
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -212,24 +214,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#define DEFINE_DOT(R, C)                                                                          \
-    static void dot_##R##x##C(const float *x, int64_t xs, const float *w, int64_t k, float *out,   \
-                              int64_t os) {                                                       \
-        __m256 acc[R][C];                                                                         \
-        for (int r = 0; r < R; ++r)                                                               \
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();                          \
-        for (int64_t i = 0; i < k; i += 8) {                                                      \
-            __m256 wv[C];                                                                         \
-            for (int c = 0; c < C; ++c) wv[c] = _mm256_load_ps(w + c * k + i);                    \
-            for (int r = 0; r < R; ++r) {                                                         \
-                __m256 xv = _mm256_loadu_ps(x + r * xs + i);                                      \
-                for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);    \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < R; ++r)                                                               \
-            for (int c = 0; c < C; ++c) out[r * os + c] = hsum(acc[r][c]);                        \
-    }
-static const char ISA[] = "AVX2 FMA";
 #else
 #define DEFINE_DOT(R, C)                                                                          \
     static void dot_##R##x##C(const float *x, int64_t xs, const float *w, int64_t k, float *out,   \
@@ -243,14 +227,118 @@ static const char ISA[] = "AVX2 FMA";
             }                                                                                     \
     }
 static const char ISA[] = "portable C";
-#endif
 
 DEFINE_DOT(4, 2)
 DEFINE_DOT(4, 1)
 DEFINE_DOT(1, 4)
 DEFINE_DOT(1, 1)
+#endif
 
 const char *quant_matmul_isa(void) { return ISA; }
+
+#ifdef QUANT_AVX2
+/* Many rows of x, AVX2: the tile is stored as panels of PANEL weight rows,
+ * k-major (panel[i * PANEL + j] = value i of the panel's row j; rows past the
+ * last are zeros), and R x 16 register tiles (R <= 6: 12 accumulators)
+ * multiply x's rows: one broadcast value of x against two vectors of the
+ * panel per step, no horizontal sums. A group of 32 values of the panel's 16
+ * rows is decoded to a 16 x 32 scratch (L1), then transposed 8 x 8 at a time. */
+#define PANEL 16
+#define TILE_MULTIPLE PANEL
+
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+static void decode_tile(int type, const uint8_t *weight, int64_t stride, int64_t rows, int64_t k,
+                        float *tile) {
+    float scratch[PANEL * GROUP] __attribute__((aligned(32)));
+    for (int64_t p = 0; p * PANEL < rows; ++p) {
+        float *panel = tile + p * PANEL * k;
+        for (int64_t g = 0; g < k / GROUP; ++g) {
+            for (int64_t j = 0; j < PANEL; ++j) {
+                __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                if (p * PANEL + j < rows) decode_group_avx2(type, weight + (p * PANEL + j) * stride, g, v);
+                for (int q = 0; q < 4; ++q) _mm256_store_ps(scratch + j * GROUP + 8 * q, v[q]);
+            }
+            for (int h = 0; h < 2; ++h)
+                for (int q = 0; q < 4; ++q) {
+                    __m256 block[8];
+                    for (int i = 0; i < 8; ++i) block[i] = _mm256_load_ps(scratch + (8 * h + i) * GROUP + 8 * q);
+                    transpose8(block);
+                    for (int i = 0; i < 8; ++i)
+                        _mm256_store_ps(panel + (g * GROUP + 8 * q + i) * PANEL + 8 * h, block[i]);
+                }
+        }
+    }
+}
+
+#define DEFINE_PANEL(R)                                                                           \
+    static void panel_##R(const float *x, int64_t xs, const float *panel, int64_t k, float *out) { \
+        __m256 acc[R][2];                                                                         \
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
+        for (int64_t i = 0; i < k; ++i) {                                                         \
+            const __m256 w0 = _mm256_load_ps(panel + i * PANEL), w1 = _mm256_load_ps(panel + i * PANEL + 8); \
+            for (int r = 0; r < R; ++r) {                                                         \
+                const __m256 xb = _mm256_broadcast_ss(x + r * xs + i);                            \
+                acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);                                   \
+                acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);                                   \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; ++r) {                                                             \
+            _mm256_store_ps(out + r * PANEL, acc[r][0]);                                          \
+            _mm256_store_ps(out + r * PANEL + 8, acc[r][1]);                                      \
+        }                                                                                         \
+    }
+DEFINE_PANEL(6)
+DEFINE_PANEL(4)
+DEFINE_PANEL(2)
+DEFINE_PANEL(1)
+
+/* x [m, k] against a decoded tile of tn rows: out[:, 0:tn] (row stride os). */
+static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *tile, int64_t tn,
+                          int64_t k, float *out, int64_t os) {
+    float result[6 * PANEL] __attribute__((aligned(32)));
+    for (int64_t p = 0; p * PANEL < tn; ++p) {
+        const float *panel = tile + p * PANEL * k;
+        const int64_t cols = tn - p * PANEL < PANEL ? tn - p * PANEL : PANEL;
+        for (int64_t r = 0; r < m;) {
+            const int64_t left = m - r, step = left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1));
+            const float *xr = x + r * xs;
+            switch (step) {
+            case 6: panel_6(xr, xs, panel, k, result); break;
+            case 4: panel_4(xr, xs, panel, k, result); break;
+            case 2: panel_2(xr, xs, panel, k, result); break;
+            default: panel_1(xr, xs, panel, k, result); break;
+            }
+            for (int64_t i = 0; i < step; ++i)
+                memcpy(out + (r + i) * os + p * PANEL, result + i * PANEL, (size_t)cols * sizeof(float));
+            r += step;
+        }
+    }
+}
+#else
+/* Many rows of x, portable: the tile is tn decoded rows, each row of x dotted with them. */
+#define TILE_MULTIPLE 2
+
+static void decode_tile(int type, const uint8_t *weight, int64_t stride, int64_t rows, int64_t k,
+                        float *tile) {
+    for (int64_t c = 0; c < rows; ++c) decode_row(type, weight + c * stride, k, tile + c * k);
+}
 
 /* x [m, k] against a decoded tile [tn, k]: out[:, 0:tn] (row stride os). */
 static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *tile, int64_t tn,
@@ -267,6 +355,7 @@ static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *ti
         for (; c < tn; ++c) dot_1x1(x + r * xs, xs, tile + c * k, k, out + r * os + c, os);
     }
 }
+#endif
 
 #ifdef QUANT_AVX2
 /* Few rows of x (decode): each group of a weight row is decoded in registers and
@@ -330,14 +419,13 @@ static float *thread_tile(int64_t floats) {
     return buffer;
 }
 
-/* Few rows of x: small tiles (the weight is read once anyway, tiles spread over
- * threads). Many rows: as many weight rows as fit TILE_BYTES, each decoded row
- * then serving all m rows of x. Always even, at least 4. */
-static int64_t tile_rows(int64_t m, int64_t k) {
-    if (m <= 4) return 4;
+/* As many weight rows as fit TILE_BYTES (each decoded row then serves all m rows
+ * of x), at most 32, a multiple of TILE_MULTIPLE and at least one multiple. */
+static int64_t tile_rows(int64_t k) {
     int64_t rows = TILE_BYTES / (k * (int64_t)sizeof(float));
-    rows = rows < 4 ? 4 : (rows > 32 ? 32 : rows);
-    return rows & ~(int64_t)1;
+    rows = rows > 32 ? 32 : rows;
+    rows -= rows % TILE_MULTIPLE;
+    return rows < TILE_MULTIPLE ? TILE_MULTIPLE : rows;
 }
 
 /* out [m, n] (row stride out_stride) = x [m, k] (row stride x_stride) @ W^T, W being
@@ -352,7 +440,7 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
         for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, k, x, m, x_stride, out + c, out_stride);
         return 0;
     }
-    const int64_t tn = tile_rows(m, k), num_tiles = (n + tn - 1) / tn;
+    const int64_t tn = tile_rows(k), num_tiles = (n + tn - 1) / tn;
     int failed = 0;
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t t = 0; t < num_tiles; ++t) {
@@ -362,7 +450,7 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
             continue;
         }
         const int64_t first = t * tn, rows = n - first < tn ? n - first : tn;
-        for (int64_t c = 0; c < rows; ++c) decode_row(type, weight + (first + c) * stride, k, tile + c * k);
+        decode_tile(type, weight + first * stride, stride, rows, k, tile);
         multiply_tile(x, m, x_stride, tile, rows, k, out + first, out_stride);
     }
     return failed ? -2 : 0;
