@@ -1,23 +1,27 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K super-block). A thread
- * takes tiles of a few weight rows: it decodes the tile's groups to float32
- * (a few KiB, in L1) and multiplies them with every row of x, so each weight
- * byte is read from memory once per call and decoded once per call, however
- * many rows x has (one at decode, hundreds at prefill).
+ * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K super-block). Two paths,
+ * each reading every weight byte from memory once per call:
  *
- *     weight rows  ──tile of TN rows──▶ decode (float32, L1) ──▶ R x C dot products
- *     n0 .. n0+TN                                                 (R rows of x, C of the tile)
+ *     M <= 4 (decode, AVX2)   each group of a weight row decoded into four
+ *                             registers and used at once by the M rows of x
+ *     more rows               a thread decodes a tile of up to 32 weight rows
+ *                             to float32 (<= 96 KiB, in L2) and multiplies it
+ *                             with every row of x: decoded once per call
  *
- * The dot products are AVX2 FMA register tiles where the build allows it
- * (-march with AVX2 and FMA), plain C loops elsewhere; ``quant_matmul_isa``
- * names the one built. Values decode as ggml's dequantize_row_* (and the
- * gguf package) compute them, so results match dequantize-then-matmul up to
- * the order of the float32 sums.
+ *     weight rows  ──tile of TN rows──▶ decode (float32) ──▶ register tiles
+ *     n0 .. n0+TN                                            (rows of x by rows of the tile)
  *
- * Threads: OpenMP over tiles. Loaded after torch, the library shares torch's
- * libgomp and its thread count.
+ * With AVX2 and FMA in -march the tile is k-major panels of 16 rows and the
+ * register tiles are 6 rows of x by 16 weight rows (broadcast x, no
+ * horizontal sums); elsewhere plain C dot products over row-major tiles.
+ * ``quant_matmul_isa`` names the one built. Values decode as ggml's
+ * dequantize_row_* (and the gguf package) compute them, so results match
+ * dequantize-then-matmul up to the order of the float32 sums.
+ *
+ * Threads: OpenMP over weight rows or tiles. Loaded after torch, the library
+ * shares torch's libgomp and its thread count.
  */
 
 #include <stdint.h>
