@@ -69,6 +69,9 @@ class EngineCore:
         self.runner = runner
         self.event_publisher = event_publisher
         self.num_steps = 0
+        # Steps in a row that computed nothing (e.g. only KV transfers to wait
+        # for): the engine process paces them instead of spinning.
+        self.num_idle_steps = 0
         self.async_scheduling = async_scheduling
         self._executor = executor
         if async_scheduling and executor is None:
@@ -135,7 +138,7 @@ class EngineCore:
             return self._step_overlapped()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        self.num_steps += 1
+        self._count_step(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         return outputs
@@ -151,10 +154,15 @@ class EngineCore:
             return {}
         scheduler_output, future = in_flight.popleft()
         runner_output = future.result()
-        self.num_steps += 1
+        self._count_step(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         return outputs
+
+    def _count_step(self, scheduler_output: SchedulerOutput) -> None:
+        self.num_steps += 1
+        idle = not scheduler_output.total_num_scheduled_tokens
+        self.num_idle_steps = self.num_idle_steps + 1 if idle else 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (refused while blocks are owned); the

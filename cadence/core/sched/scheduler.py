@@ -595,7 +595,10 @@ class Scheduler(SchedulerInterface):
 
     def has_requests(self) -> bool:
         # The interface's answer in one expression: an engine loop asks every step.
-        return bool(self.running or self.waiting or self.lifecycle.finished_req_ids)
+        # Blocks a KV connector still sends count: their frees come in steps.
+        lifecycle = self.lifecycle
+        return bool(self.running or self.waiting or lifecycle.finished_req_ids
+                    or lifecycle.sending_req_ids)
 
     def has_finished_requests(self) -> bool:
         return len(self.lifecycle.finished_req_ids) > 0

@@ -1,0 +1,1 @@
+"""Moving KV blocks between engine processes (prefill/decode disaggregation)."""
