@@ -229,6 +229,8 @@ class AsyncLLM:
         # Whether the engine may refuse a request after it was sent (--slo-reject).
         self.refuses_under_load = False
         self._grammars: GrammarBackendBase | None = None  # checks grammars before they are sent
+        # Checks a request's kv_transfer_params (None: the engine's connector reads none).
+        self._kv_transfer_check: Callable[[Any], None] | None = None  # see start
         # Sends go through a plain socket: a PUSH with no high-water mark never
         # blocks, so a handler or the output loop can send without awaiting.
         self._send_ctx = zmq.Context()
@@ -347,7 +349,7 @@ class AsyncLLM:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, priority: int = 0, user: str | None = None,
         slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
 
@@ -362,6 +364,8 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         check_priority(priority)
         self.check_structured_outputs(params)
+        if kv_transfer_params is not None:
+            params = self._with_kv_transfer_params(params, kv_transfer_params)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
                                self.info.max_model_len, priority=priority, user=user,
                                slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
@@ -383,6 +387,21 @@ class AsyncLLM:
         calls this in a worker thread first; ``add_request`` then hits the cache."""
         if params.structured_outputs is not None and self._grammars is not None:
             self._grammars.check(params.structured_outputs)
+
+    def _with_kv_transfer_params(self, params: SamplingParams, kv_transfer_params: Any
+                                 ) -> SamplingParams:
+        """``params`` carrying ``kv_transfer_params`` to the engine's KV connector
+        (vLLM's place for them: ``extra_args``); ValueError naming the field when
+        this engine's connector cannot act on them, or it has none."""
+        if self._kv_transfer_check is None:
+            raise ValueError("kv_transfer_params: this server has no KV connector that reads "
+                             "them (start it with --kv-transfer-config, e.g. "
+                             "'{\"kv_connector\": \"PDConnector\", \"kv_role\": \"kv_producer\"}')")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params: only with n=1")
+        self._kv_transfer_check(kv_transfer_params)
+        extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+        return params.replace(extra_args=extra_args)
 
     def check_can_ever_admit(self, num_seqs: int) -> None:
         """Refuse (ValueError, HTTP 400) what no wait would let in: more sequences

@@ -24,33 +24,47 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from cadence.core.sched.pd_connector import (
-    CONSUMER, PRODUCER, PDConnectorMetadata, RemoteBlocks,
+    CONSUMER, BOTH, PDConnectorMetadata, PDOptions, RemoteBlocks,
 )
+from cadence.runner.kv_transfer.base import KVConnectorWorker
 from cadence.runner.kv_transfer.transport import (
-    GONE, NOT_READY, BlockPayload, KVTransferError, KVTransport,
+    GONE, NOT_READY, BlockPayload, KVTransferError, KVTransport, ZmqTransport,
 )
+
+if TYPE_CHECKING:
+    from cadence.config import KVTransferConfig
+    from cadence.core.sched.kv_connector import KVConnectorContext
+    from cadence.runner.kv_cache import PagedKVCache
 
 logger = logging.getLogger("cadence.kv_transfer")
 
-DEFAULT_TRANSFER_TIMEOUT_S = 10.0
-DEFAULT_HOLD_TIMEOUT_S = 120.0
 _NUM_FETCH_THREADS = 2
+# Ids of requests freed here, kept so a late fetch is answered GONE (not NOT_READY).
+_MAX_RELEASED_IDS = 10_000
 
 
-class PDConnectorWorker:
+def make_transport(options: PDOptions) -> KVTransport:
+    """The transport ``options.transport`` names, bound where a producer serves."""
+    if options.transport == "zmq":
+        return ZmqTransport(options.address)
+    raise ValueError(f"kv_connector_extra_config.transport: unknown {options.transport!r}")
+
+
+class PDConnectorWorker(KVConnectorWorker):
     """One engine's end of prefill/decode KV transfers."""
 
-    def __init__(self, role: str, transport: KVTransport, *,
-                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-                 hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S) -> None:
-        self.role = role
-        self.transport = transport
-        self.transfer_timeout_s = transfer_timeout_s
-        self.hold_timeout_s = hold_timeout_s
+    def __init__(self, config: "KVTransferConfig", context: "KVConnectorContext", *,
+                 transport: KVTransport | None = None) -> None:
+        self.role = config.kv_role or BOTH
+        options = PDOptions.from_extra(config.kv_connector_extra_config)
+        self.transport = transport if transport is not None else make_transport(options)
+        self.transfer_timeout_s = options.transfer_timeout_s
+        self.hold_timeout_s = options.hold_timeout_s
         self.kv_data: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
         self.address: str | None = None
         self._lock = threading.Lock()  # holds and sent, shared with the serving thread
@@ -61,19 +75,19 @@ class PDConnectorWorker:
         self._pool = ThreadPoolExecutor(_NUM_FETCH_THREADS, thread_name_prefix="cadence-kv-fetch")
         self._invalid_block_ids: set[int] = set()
 
-    def register_kv_caches(self, kv_data: torch.Tensor) -> str | None:
-        """The cache blocks live in; a producer starts serving them (returns its address)."""
-        self.kv_data = kv_data
+    def register_kv_caches(self, kv_caches: "PagedKVCache") -> None:
+        """The cache blocks live in; a producer starts serving them."""
+        self.kv_data = kv_caches.data
         if self.role != CONSUMER and self.address is None:
             self.address = self.transport.serve(self)
-        return self.address
+            logger.info("kv transfer: serving blocks at %s", self.address)
 
     # ------------------------------------------------------------ each step
 
-    def start_load_kv(self, metadata: PDConnectorMetadata) -> None:
+    def start_load_kv(self, metadata: PDConnectorMetadata | None) -> None:
         """Before the step's forward: take new holds, start new fetches."""
-        for req_id in metadata.finished_req_ids:
-            self._fetches.pop(req_id, None)  # aborted while loading: its blocks are gone
+        if metadata is None:
+            return
         if metadata.holds:
             deadline = time.monotonic() + self.hold_timeout_s
             with self._lock:
@@ -86,12 +100,11 @@ class PDConnectorWorker:
             if load.local_block_ids:  # an empty one only tells the peer to free
                 self._fetches[load.req_id] = (load, future)
 
-    def wait_for_save(self) -> None:
-        """Nothing to wait for: a finished request's KV is in the cache already."""
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """After the step's forward: (requests whose blocks were sent or whose
         hold expired, requests whose load finished, failed ones included)."""
+        for req_id in finished_req_ids:
+            self._fetches.pop(req_id, None)  # aborted while loading: its blocks are gone
         return self._take_sent(), self._take_loaded()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -115,7 +128,8 @@ class PDConnectorWorker:
             if not set(block_ids) <= hold[0]:
                 return GONE
             assert self.kv_data is not None
-            blocks = self.kv_data[:, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_data.device)
+            blocks = self.kv_data.index_select(2, index).cpu().contiguous()
         data = blocks.view(torch.uint8).numpy()
         return BlockPayload(memoryview(data), tuple(blocks.shape), str(blocks.dtype))
 
@@ -134,7 +148,7 @@ class PDConnectorWorker:
                                req_id, self.hold_timeout_s)
             sent, self._sent = self._sent | set(expired), set()
             self._released |= sent
-            if len(self._released) > 10_000:
+            if len(self._released) > _MAX_RELEASED_IDS:
                 self._released = set(sent)
         return sent
 
