@@ -51,6 +51,9 @@ class KVConnectorOutput:
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
+    # Blocks whose load failed or timed out: their contents cannot be trusted,
+    # the tokens they hold are computed again.
+    invalid_block_ids: set[int] | None = None
 
 
 @dataclass(slots=True)

@@ -178,6 +178,9 @@ class EngineCore:
                     future.cancel()
                 self._executor.shutdown(wait=True)
             self.scheduler.shutdown()
+            shutdown_runner = getattr(self.runner, "shutdown", None)
+            if shutdown_runner is not None:
+                shutdown_runner()
         finally:
             if self.event_publisher is not None:
                 self._publish_kv_events()

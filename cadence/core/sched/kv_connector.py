@@ -10,22 +10,44 @@ and reports finished transfers in ``ModelRunnerOutput.kv_connector_output``.
 - ``update_state_after_alloc``: blocks were allocated for those tokens;
 - ``build_connector_meta``: the step's transfer plan, handed to the runner;
 - ``request_finished``: whether to delay freeing blocks while they are sent.
+
+Connectors are built by name (``cadence.engine.kv_connectors``), each side
+given the ``KVConnectorContext`` of the engine.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cadence.core.kv_cache.block_pool import KVCacheBlock
+    from cadence.core.kv_cache.manager import KVCacheManager
     from cadence.core.outputs import KVConnectorOutput
     from cadence.core.request import Request
     from cadence.core.sched.output import SchedulerOutput
 
 
+@dataclass(frozen=True)
+class KVConnectorContext:
+    """What both sides of a connector know of the engine they serve."""
+
+    block_size: int
+    num_blocks: int  # blocks of the engine's own (primary) KV cache
+    bytes_per_block: int  # one block across all layers, keys and values
+    kv_role: str = "kv_both"
+    # Estimated seconds the engine spends computing one token's KV (a cost
+    # model's input, e.g. recompute against copy for swap preemption).
+    seconds_per_token: float = 0.0
+
+
 class KVConnectorBase(ABC):
     """Scheduler-side connector hooks."""
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        """The scheduler's KV cache manager (block ids and block hashes of
+        requests); called once, when the scheduler is built."""
 
     @abstractmethod
     def get_num_new_matched_tokens(

@@ -131,8 +131,11 @@ class Scheduler(SchedulerInterface):
         )
         self.lora_config = lora_config
         self.connector = kv_connector
-        # Requests whose async KV load finished: the absorber adds, admission takes.
-        self.finished_recving_kv_req_ids: set[str] = set()
+        if kv_connector is not None:
+            kv_connector.bind_kv_cache_manager(self.kv_cache_manager)
+        # Requests whose async KV load finished -> their valid leading blocks
+        # (None: all): the absorber adds, admission takes.
+        self.finished_recving_kv_req_ids: dict[str, int | None] = {}
         self.structured_output_manager = structured_output_manager
         self.async_scheduling = scheduler_config.async_scheduling
         self.lifecycle = RequestLifecycle(
@@ -465,14 +468,23 @@ class Scheduler(SchedulerInterface):
         return True
 
     def _finish_remote_kv_load(self, request: Request) -> None:
-        """Blocks loaded by the connector become the request's computed prefix."""
-        self.finished_recving_kv_req_ids.discard(request.request_id)
-        num_blocks = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, ()))
+        """Blocks loaded by the connector become the request's computed prefix.
+
+        When a load failed, the blocks before the first bad one enter the
+        prefix cache and all are released: the request starts over, finding
+        the good ones as local hits, and computes the rest."""
+        num_valid = self.finished_recving_kv_req_ids.pop(request.request_id)
+        kv = self.kv_cache_manager
+        request.status = _WAITING
+        if num_valid is not None:
+            kv.cache_blocks(request, min(num_valid * self.block_size, request.num_tokens - 1))
+            kv.free(request)
+            return
+        num_blocks = len(kv.req_to_blocks.get(request.request_id, ()))
         # Keep at least one token to compute, so the request gets logits.
         num_computed = min(num_blocks * self.block_size, request.num_tokens - 1)
-        self.kv_cache_manager.cache_blocks(request, num_computed)
+        kv.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
-        request.status = _WAITING
 
     # ------------------------------------------------------------------
     # building the output
