@@ -34,6 +34,7 @@ from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
 from cadence.core.request import LoRARequest, Request
 from cadence.engine.core_proc import start_engine_process
 from cadence.engine.inputs import make_request
+from cadence.engine.kv_connectors import kv_transfer_params_checker
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.wire import (
@@ -269,6 +270,7 @@ class AsyncLLM:
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
         self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
+        self._kv_transfer_check = kv_transfer_params_checker(options.kv_transfer)
         if scheduler.policy == "slo":
             self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
         process = start_engine_process(options, self.input_address, self.output_address,

@@ -84,11 +84,15 @@ class EngineCore:
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one).
+        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one,
+        or kv_transfer_params that no KV connector here reads).
 
         An adapter loaded once is not loaded again here: the runner loads it
         anew itself if it unloaded it meanwhile.
         """
+        if request.kv_transfer_params is not None and not getattr(
+                self.scheduler.get_kv_connector(), "reads_kv_transfer_params", False):
+            raise ValueError("kv_transfer_params: this engine has no KV connector that reads them")
         lora = request.lora_request
         if lora is not None and (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
             self.add_lora(lora)

@@ -10,7 +10,7 @@ with the engine's ``KVTransferConfig`` and ``KVConnectorContext``.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from cadence.config import KVTransferConfig
 
@@ -41,6 +41,19 @@ def make_kv_connector_worker(config: KVTransferConfig, context: "KVConnectorCont
     return _load(config, 1)(config, context)
 
 
+def kv_transfer_params_checker(config: KVTransferConfig | None) -> Callable[[Any], None] | None:
+    """How this engine's connector checks a request's ``kv_transfer_params``
+    (raising ValueError naming the field), or None when it reads none: the
+    scheduler class's ``check_kv_transfer_params(params, config)``, if it has one.
+    Imports only the scheduler side (pure Python): a front end can call it."""
+    if config is None:
+        return None
+    check = getattr(_load(config, 0), "check_kv_transfer_params", None)
+    if check is None:
+        return None
+    return lambda params: check(params, config)
+
+
 def _load(config: KVTransferConfig, side: int) -> type:
     paths = _CONNECTORS.get(config.kv_connector or "")
     if paths is None:
@@ -48,3 +61,8 @@ def _load(config: KVTransferConfig, side: int) -> type:
                          f"(registered: {', '.join(registered_kv_connectors())})")
     module_name, _, class_name = paths[side].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+# Prefill/decode disaggregation: KV pulled from a prefill engine by a decode engine.
+register_kv_connector("PDConnector", "cadence.core.sched.pd_connector:PDConnectorScheduler",
+                      "cadence.runner.kv_transfer.pd_worker:PDConnectorWorker")
