@@ -71,6 +71,16 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return prefill
 
 
+def disaggregable(body: dict[str, Any]) -> bool:
+    """Whether the prompt's KV can be computed elsewhere: one completion of one
+    prompt (a request for several goes to the decode instance whole)."""
+    if body.get("n", 1) != 1:
+        return False
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and len(prompt) > 1
+                and not all(isinstance(token, int) for token in prompt))
+
+
 def decode_body(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict[str, Any]:
     """The client's body, with where the prefill instance keeps its KV (if it kept it)."""
     params = prefill_answer.get("kv_transfer_params")
@@ -102,6 +112,8 @@ class DisaggProxy:
             return _error(400, "kv_transfer_params: set by the proxy, not by its clients",
                           "kv_transfer_params")
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        if not disaggregable(body):
+            return await self._decode_only(path, body, headers)
         prefill_url = next(self._prefill)
         try:
             answer = await self.client.post(prefill_url + path, json=prefill_body(body),
@@ -114,11 +126,16 @@ class DisaggProxy:
             forward = decode_body(body, answer.json())
         except (ValueError, AttributeError):
             return _error(502, f"the prefill instance {prefill_url} answered no JSON object")
-        if body.get("stream"):
-            return await self._stream(next(self._decode) + path, forward, headers)
+        return await self._decode_only(path, forward, headers)
+
+    async def _decode_only(self, path: str, body: dict[str, Any], headers: dict[str, str]
+                           ) -> Response:
+        """``body`` answered by a decode instance (streamed if it asks)."""
         decode_url = next(self._decode)
+        if body.get("stream"):
+            return await self._stream(decode_url + path, body, headers)
         try:
-            return _passed_on(await self.client.post(decode_url + path, json=forward,
+            return _passed_on(await self.client.post(decode_url + path, json=body,
                                                      headers=headers))
         except httpx.HTTPError as err:
             return _unreachable("decode", decode_url, err)

@@ -37,9 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(model, role=None, **extra):
+def build(model, role=None, async_scheduling=False, **extra):
     options = dict(device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS,
-                   max_model_len=128)
+                   max_model_len=128, async_scheduling=async_scheduling)
     if role is not None:
         options["kv_transfer_config"] = {"kv_connector": "PDConnector", "kv_role": role,
                                          "kv_connector_extra_config": extra}
@@ -48,12 +48,12 @@ def build(model, role=None, **extra):
     return engine.core
 
 
-@pytest.fixture
-def pair(model):
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+def pair(model, request):
     """(prefill core, decode core), the decode side's fetches bounded by 2 s."""
     port = free_port()
-    prefill = build(model, "kv_producer", kv_port=port)
-    decode = build(model, "kv_consumer", transfer_timeout_s=2.0)
+    prefill = build(model, "kv_producer", async_scheduling=request.param, kv_port=port)
+    decode = build(model, "kv_consumer", async_scheduling=request.param, transfer_timeout_s=2.0)
     yield prefill, decode
     for core in (prefill, decode):
         core.shutdown()

@@ -22,6 +22,7 @@ block id) answers at once; both raise ``KVTransferError``.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
+
+logger = logging.getLogger("cadence.kv_transfer")
 
 # Status of a reply, the first field of its header.
 OK, NOT_READY, GONE = "ok", "not_ready", "gone"
@@ -118,6 +121,15 @@ class ZmqTransport(KVTransport):
 
     @staticmethod
     def _answer(provider: BlockProvider, body: bytes) -> list[bytes | memoryview]:
+        """The reply to one fetch; never raises (the serving thread must live on)."""
+        try:
+            return ZmqTransport._reply(provider, body)
+        except Exception:  # a bug here must not stop every later transfer
+            logger.exception("kv transfer: answering a fetch failed")
+            return [json.dumps({"status": GONE, "reason": "the server failed"}).encode()]
+
+    @staticmethod
+    def _reply(provider: BlockProvider, body: bytes) -> list[bytes | memoryview]:
         try:
             ask = json.loads(body)
             request_id, block_ids = str(ask["request_id"]), [int(b) for b in ask["block_ids"]]
