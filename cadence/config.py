@@ -31,6 +31,9 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler may put into one step."""
@@ -106,6 +109,12 @@ class SchedulerConfig:
         None, "Attention window (default: the model's own): each token attends to the last "
               "this many; caps what one request reads from the KV cache."
     )
+    preemption_mode: str | None = option(
+        None, "What a preempted request's KV becomes: recompute (freed, computed again), swap "
+              "(copied to the host-memory tier and back; needs --kv-offload-size) or auto (per "
+              "victim, whichever the cost model predicts cheaper). Default: auto with a tier, "
+              "recompute without."
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -134,6 +143,9 @@ class SchedulerConfig:
         if self.fair_client_weights is not None:
             _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
             parse_client_weights(self.fair_client_weights)
+        if self.preemption_mode is not None:
+            _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                     f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         _require(
             self.policy in SCHEDULING_POLICIES,
             "policy",
@@ -415,6 +427,20 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         refuse_undelivered(self.scheduler, self.speculative)
+        mode = self.scheduler.preemption_mode
+        if mode not in (None, "recompute") and (
+                self.kv_transfer is None or self.kv_transfer.kv_connector != OFFLOADING_CONNECTOR):
+            raise ValueError(f"preemption_mode: {mode} needs the host-memory tier "
+                             f"(--kv-offload-size GiB, the {OFFLOADING_CONNECTOR})")
+
+    @property
+    def preemption_mode(self) -> str:
+        """The preemption mode made concrete: auto with a tier, recompute without."""
+        mode = self.scheduler.preemption_mode
+        if mode is not None:
+            return mode
+        has_tier = self.kv_transfer is not None and self.kv_transfer.kv_connector == OFFLOADING_CONNECTOR
+        return "auto" if has_tier else "recompute"
 
     @classmethod
     def from_kwargs(cls, **options: Any) -> "EngineOptions":

@@ -157,6 +157,9 @@ class SchedulerStats(msgspec.Struct, gc=False):
     step_counter: int = 0
     # Tokens served per client since start (policy fair), a bounded set of names.
     client_service: dict[str, int] | None = None
+    # Tokens looked up beyond the local prefix cache through a KV connector
+    # (e.g. the host-memory tier) and found there.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -110,7 +110,9 @@ def assemble_engine(
         connector_context = KVConnectorContext(
             block_size=cache_config.block_size, num_blocks=num_blocks, bytes_per_block=block_bytes,
             kv_role=options.kv_transfer.kv_role or "kv_both",
-            seconds_per_token=estimated_seconds_per_token(model, device))
+            seconds_per_token=estimated_seconds_per_token(model, device),
+            copy_bytes_per_second=_ESTIMATED_COPY_BYTES_PER_SECOND.get(device.type, 1e10),
+            preemption_mode=options.preemption_mode)
     scheduler = Scheduler(
         scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True,
         lora_config=options.lora,
@@ -129,7 +131,7 @@ def assemble_engine(
     if connector_context is not None:
         runner.attach_kv_connector(make_kv_connector_worker(options.kv_transfer, connector_context))
         print(f"cadence: KV connector {options.kv_transfer.kv_connector} "
-              f"({connector_context.kv_role})", file=log)
+              f"({connector_context.kv_role}, preemption by {options.preemption_mode})", file=log)
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
@@ -193,6 +195,8 @@ def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, l
 # Rough sustained rates, for the connectors' cost models only (their
 # options override the estimate): matmul FLOP/s of a CPU and of a GPU.
 _ESTIMATED_FLOPS = {"cpu": 5e10, "cuda": 3e14}
+# Bytes per second of a KV copy to host memory: memcpy in RAM; PCIe to pinned memory.
+_ESTIMATED_COPY_BYTES_PER_SECOND = {"cpu": 1e10, "cuda": 2.5e10}
 
 
 def estimated_seconds_per_token(model: torch.nn.Module, device: torch.device) -> float:

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from cadence.runner.kv_transfer.base import KVConnectorWorker
 
 # name -> ("module:SchedulerClass", "module:WorkerClass")
-_CONNECTORS: dict[str, tuple[str, str]] = {}
+_CONNECTORS: dict[str, tuple[str, str]] = {
+    "OffloadingConnector": ("cadence.core.kv_transfer.offloading:OffloadingConnector",
+                            "cadence.runner.kv_transfer.offloading:OffloadingWorker"),
+}
 
 
 def register_kv_connector(name: str, scheduler_class: str, worker_class: str) -> None:

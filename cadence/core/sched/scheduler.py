@@ -136,6 +136,11 @@ class Scheduler(SchedulerInterface):
         # Requests whose async KV load finished -> their valid leading blocks
         # (None: all): the absorber adds, admission takes.
         self.finished_recving_kv_req_ids: dict[str, int | None] = {}
+        # Requests loading KV -> (the tokens they will have computed, their
+        # status before): set when the load starts, taken when it finished.
+        self._remote_kv_loads: dict[str, tuple[int, RequestStatus]] = {}
+        # Waiting requests whose load finished, holding their blocks, not admitted yet.
+        self._loaded_waiting: set[str] = set()
         self.structured_output_manager = structured_output_manager
         self.async_scheduling = scheduler_config.async_scheduling
         self.lifecycle = RequestLifecycle(
@@ -284,7 +289,6 @@ class Scheduler(SchedulerInterface):
         sent_this_step = request in plan.new
         plan.unschedule(request)
         plan.drop_encoder_inputs(request, self.encoder_cache_manager)
-        self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         unsent = self.lifecycle.unsent_running
@@ -292,6 +296,11 @@ class Scheduler(SchedulerInterface):
             # Never sent to the runner: it will start as a new request.
             unsent.discard(request.request_id)
             request.status = _WAITING
+        elif self.connector is not None:
+            # Swap preemption: the connector copies the KV out before the
+            # blocks are reused, and offers it back when the request is admitted.
+            self.connector.request_preempted(request)
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.spec_token_ids = []
@@ -305,6 +314,8 @@ class Scheduler(SchedulerInterface):
         skipped: list[Request] = []
         waiting = self.waiting
         caps = plan.prefill_caps
+        if self.finished_recving_kv_req_ids or self._loaded_waiting:
+            self._loaded_first()
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
             if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
@@ -344,6 +355,18 @@ class Scheduler(SchedulerInterface):
                 caps.count(request)
         if skipped:
             waiting.prepend_requests(skipped)
+
+    def _loaded_first(self) -> None:
+        """Requests whose KV load finished go to the head of the queue: they
+        hold blocks, and behind a request that waits for blocks they would
+        hold them forever (waiting requests are never preempted)."""
+        requests = self.requests
+        self._loaded_waiting.intersection_update(requests)  # drop those aborted meanwhile
+        loaded = [requests[req_id] for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting)
+                  if req_id in requests]
+        if loaded:
+            self.waiting.remove_requests(loaded)
+            self.waiting.prepend_requests(loaded)
 
     def _displace_for(self, request: Request, plan: StepPlan) -> bool:
         """With every running slot taken: preempt the running request the policy
@@ -412,7 +435,7 @@ class Scheduler(SchedulerInterface):
                 request, kv.req_to_blocks[request.request_id], num_external
             )
         if load_async:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self._start_remote_kv_load(request, num_computed)
             return Admission.SKIPPED
         self._start_running(request, num_computed, num_new, plan)
         return Admission.ADMITTED
@@ -435,6 +458,8 @@ class Scheduler(SchedulerInterface):
     def _start_running(self, request: Request, num_computed: int, num_new: int, plan: StepPlan) -> None:
         if self._blocked_since:
             self._blocked_since.pop(request.request_id, None)
+        if self._loaded_waiting:
+            self._loaded_waiting.discard(request.request_id)
         self.running.append(request)
         if request.status == RequestStatus.PREEMPTED:
             plan.resumed.append(request)
@@ -467,6 +492,14 @@ class Scheduler(SchedulerInterface):
             self._finish_remote_kv_load(request)
         return True
 
+    def _start_remote_kv_load(self, request: Request, num_computed: int) -> None:
+        """The request waits, holding its blocks, while the connector loads its KV."""
+        loads = self._remote_kv_loads
+        if len(loads) > 2 * len(self.requests):  # drop requests aborted while loading
+            self._remote_kv_loads = loads = {r: v for r, v in loads.items() if r in self.requests}
+        loads[request.request_id] = (num_computed, request.status)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
     def _finish_remote_kv_load(self, request: Request) -> None:
         """Blocks loaded by the connector become the request's computed prefix.
 
@@ -474,17 +507,19 @@ class Scheduler(SchedulerInterface):
         prefix cache and all are released: the request starts over, finding
         the good ones as local hits, and computes the rest."""
         num_valid = self.finished_recving_kv_req_ids.pop(request.request_id)
+        num_loaded, status = self._remote_kv_loads.pop(request.request_id)
+        # Back from a swap: still preempted, so the runner resumes its state.
+        request.status = status
         kv = self.kv_cache_manager
-        request.status = _WAITING
+        # Keep at least one token to compute, so the request gets logits.
+        num_computed = min(num_loaded, request.num_tokens - 1)
         if num_valid is not None:
-            kv.cache_blocks(request, min(num_valid * self.block_size, request.num_tokens - 1))
+            kv.cache_blocks(request, min(num_valid * self.block_size, num_computed))
             kv.free(request)
             return
-        num_blocks = len(kv.req_to_blocks.get(request.request_id, ()))
-        # Keep at least one token to compute, so the request gets logits.
-        num_computed = min(num_blocks * self.block_size, request.num_tokens - 1)
         kv.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
+        self._loaded_waiting.add(request.request_id)
 
     # ------------------------------------------------------------------
     # building the output
@@ -634,6 +669,8 @@ class Scheduler(SchedulerInterface):
             num_preemptions=self._num_step_preemptions,
             step_counter=self.step_counter,
             client_service=self._service_stats() if self._service_stats is not None else None,
+            connector_prefix_cache_stats=(self.connector.make_prefix_cache_stats()
+                                          if self.connector is not None else None),
         )
 
     def take_kv_events(self) -> list[KVCacheEvent]:
