@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 _CONNECTORS: dict[str, tuple[str, str]] = {
     "OffloadingConnector": ("cadence.core.kv_transfer.offloading:OffloadingConnector",
                             "cadence.runner.kv_transfer.offloading:OffloadingWorker"),
+    # Prefill/decode disaggregation: a decode engine pulls a prefill engine's KV.
+    "PDConnector": ("cadence.core.kv_transfer.pd_connector:PDConnectorScheduler",
+                    "cadence.runner.kv_transfer.pd_worker:PDConnectorWorker"),
 }
 
 
@@ -64,8 +67,3 @@ def _load(config: KVTransferConfig, side: int) -> type:
                          f"(registered: {', '.join(registered_kv_connectors())})")
     module_name, _, class_name = paths[side].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
-
-
-# Prefill/decode disaggregation: KV pulled from a prefill engine by a decode engine.
-register_kv_connector("PDConnector", "cadence.core.sched.pd_connector:PDConnectorScheduler",
-                      "cadence.runner.kv_transfer.pd_worker:PDConnectorWorker")

@@ -14,7 +14,7 @@ import pytest
 
 from cadence.config import EngineOptions
 from cadence.core.request import Request, RequestStatus
-from cadence.core.sched.pd_connector import PDOptions, check_kv_transfer_params
+from cadence.core.kv_transfer.pd_connector import PDOptions, check_kv_transfer_params
 from cadence.engine.builder import assemble_engine
 from cadence.engine.kv_connectors import kv_transfer_params_checker
 from cadence.models.testing import random_model, tiny_config
@@ -219,5 +219,5 @@ def test_an_engine_without_the_connector_refuses_params(model):
 
 
 def _digest(prompt):
-    from cadence.core.sched.pd_connector import prompt_digest
+    from cadence.core.kv_transfer.pd_connector import prompt_digest
     return prompt_digest(prompt)

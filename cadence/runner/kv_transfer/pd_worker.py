@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation, worker side: serve held blocks, pull remote ones.
 
-The scheduler side (``cadence.core.sched.pd_connector``) plans; this side
+The scheduler side (``cadence.core.kv_transfer.pd_connector``) plans; this side
 moves bytes, through a ``KVTransport``:
 
 - a prefill engine *holds* a finished request's blocks (the scheduler delays
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cadence.core.sched.pd_connector import (
+from cadence.core.kv_transfer.pd_connector import (
     CONSUMER, BOTH, PDConnectorMetadata, PDOptions, RemoteBlocks,
 )
 from cadence.runner.kv_transfer.base import KVConnectorWorker
