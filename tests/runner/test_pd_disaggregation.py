@@ -197,6 +197,34 @@ def test_abort_while_loading_leaks_nothing(pair, reference):
     assert at_rest(prefill) and at_rest(decode)
 
 
+def test_a_decode_engine_pulls_only_what_it_has_not_cached(pair, reference):
+    prefill, decode = pair
+    prompts, expected = reference
+    prompt = prompts["r30"]
+    add(decode, "warm", prompt[:13], max_tokens=1)  # caches 3 blocks of the prompt
+    run(decode)
+    params = prefill_remotely(prefill, "r30", prompt)
+    transport = decode.runner.kv_connector.transport
+    pulled = []
+    fetch = transport.fetch
+    transport.fetch = lambda address, req_id, block_ids, timeout_s: (
+        pulled.append(block_ids) or fetch(address, req_id, block_ids, timeout_s))
+    add(decode, "r30", prompt, kv_transfer_params=params)
+    tokens, finals = run(prefill, decode)
+    assert tokens["r30"] == expected["r30"]
+    assert finals["r30"].num_cached_tokens == len(prompt) - 1
+    assert pulled == [params["remote_block_ids"][3:]]  # 30 tokens: blocks 3..7
+    assert at_rest(prefill) and at_rest(decode)
+
+
+def test_a_taken_kv_port_is_named(model):
+    port = free_port()
+    first = build(model, "kv_producer", kv_port=port)
+    with pytest.raises(ValueError, match="kv_connector_extra_config.kv_port: cannot serve"):
+        build(model, "kv_producer", kv_port=port)
+    first.shutdown()
+
+
 def test_params_are_checked():
     with pytest.raises(ValueError, match="kv_transfer_params: do_remote_prefill needs"):
         check_kv_transfer_params({"do_remote_prefill": True}, "kv_consumer")

@@ -79,7 +79,10 @@ class PDConnectorWorker(KVConnectorWorker):
         """The cache blocks live in; a producer starts serving them."""
         self.kv_data = kv_caches.data
         if self.role != CONSUMER and self.address is None:
-            self.address = self.transport.serve(self)
+            try:
+                self.address = self.transport.serve(self)
+            except KVTransferError as err:  # e.g. another engine took the port
+                raise ValueError(f"kv_connector_extra_config.kv_port: {err}") from None
             logger.info("kv transfer: serving blocks at %s", self.address)
 
     # ------------------------------------------------------------ each step

@@ -69,7 +69,8 @@ class KVTransport(ABC):
 
     @abstractmethod
     def serve(self, provider: BlockProvider) -> str:
-        """Start answering fetches from ``provider``; returns the address peers use."""
+        """Start answering fetches from ``provider``; returns the address peers use
+        (``KVTransferError`` when it cannot listen there)."""
 
     @abstractmethod
     def fetch(self, address: str, request_id: str, block_ids: list[int],
@@ -103,7 +104,11 @@ class ZmqTransport(KVTransport):
             raise RuntimeError("serve: this transport already serves")
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(self._bind)
+        try:
+            socket.bind(self._bind)
+        except zmq.ZMQError as err:
+            socket.close(linger=0)
+            raise KVTransferError(f"cannot serve KV blocks at {self._bind}: {err}") from None
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._serve_loop, args=(socket, provider),
                                         name="cadence-kv-serve", daemon=True)
