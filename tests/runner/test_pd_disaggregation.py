@@ -249,3 +249,35 @@ def test_an_engine_without_the_connector_refuses_params(model):
 def _digest(prompt):
     from cadence.core.kv_transfer.pd_connector import prompt_digest
     return prompt_digest(prompt)
+
+
+def test_a_random_mix_leaks_nothing_and_keeps_greedy_tokens(model):
+    """Requests loaded from the peer, computed alone, pointed at a dead peer,
+    and aborted, interleaved; the caches stay consistent every step."""
+    rng = random.Random(7)
+    prompts = {f"m{i}": prompt_of(100 + i, rng.randint(2, 40)) for i in range(12)}
+    plain = build(model)
+    for req_id, prompt in prompts.items():
+        add(plain, req_id, prompt)
+    expected, _ = run(plain)
+    prefill = build(model, "kv_producer", kv_port=free_port(), hold_timeout_s=2.0)
+    decode = build(model, "kv_consumer", transfer_timeout_s=0.5)
+    kinds = dict(zip(prompts, ["pulled", "alone", "dead-peer", "aborted"] * 3))
+    for req_id, prompt in prompts.items():
+        params = None
+        if kinds[req_id] in ("pulled", "aborted"):
+            params = prefill_remotely(prefill, req_id, prompt)
+        elif kinds[req_id] == "dead-peer":
+            params = {**prefill_remotely(prefill, req_id, prompt), "remote_port": free_port()}
+        add(decode, req_id, prompt, kv_transfer_params=params)
+    first = [out for outputs in decode.step().values() for out in outputs.outputs]
+    decode.abort_requests([r for r, kind in kinds.items() if kind == "aborted"])
+    tokens, _ = run(prefill, decode)
+    for out in reversed(first):
+        tokens[out.request_id] = out.new_token_ids + tokens.get(out.request_id, [])
+    for req_id, kind in kinds.items():
+        if kind != "aborted":
+            assert tokens[req_id] == expected[req_id], (req_id, kind)
+    assert at_rest(prefill) and at_rest(decode)
+    for core in (plain, prefill, decode):
+        core.shutdown()

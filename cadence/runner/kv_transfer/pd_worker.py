@@ -163,9 +163,9 @@ class PDConnectorWorker(KVConnectorWorker):
             load, future = self._fetches.pop(req_id)
             try:
                 self._write_blocks(load, future.result())
-            except (KVTransferError, ValueError) as err:
-                logger.warning("kv transfer: loading %s failed (%s); its prompt is recomputed",
-                               req_id, err)
+            except Exception as err:  # noqa: BLE001 - any failure: the prompt is computed here
+                logger.warning("kv transfer: loading %s failed (%s: %s); its prompt is recomputed",
+                               req_id, type(err).__name__, err)
                 self._invalid_block_ids.update(load.local_block_ids)
         return set(done)
 
