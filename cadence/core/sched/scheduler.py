@@ -168,6 +168,8 @@ class Scheduler(SchedulerInterface):
         self._blocked_since: dict[str, int] = {}
         self.num_preemptions_total = 0
         self._num_step_preemptions = 0
+        self.num_swapped_preemptions_total = 0
+        self._num_swaps_unreported = 0  # swapped preemptions since the last stats
 
     # ------------------------------------------------------------------
     # schedule()
@@ -296,10 +298,11 @@ class Scheduler(SchedulerInterface):
             # Never sent to the runner: it will start as a new request.
             unsent.discard(request.request_id)
             request.status = _WAITING
-        elif self.connector is not None:
+        elif self.connector is not None and self.connector.request_preempted(request):
             # Swap preemption: the connector copies the KV out before the
             # blocks are reused, and offers it back when the request is admitted.
-            self.connector.request_preempted(request)
+            self.num_swapped_preemptions_total += 1
+            self._num_swaps_unreported += 1
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -664,11 +667,16 @@ class Scheduler(SchedulerInterface):
             spec_decoding_stats=spec_decoding_stats,
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),
             num_preemptions=self._num_step_preemptions,
+            num_swapped_preemptions=self._take_num_swaps(),
             step_counter=self.step_counter,
             client_service=self._service_stats() if self._service_stats is not None else None,
             connector_prefix_cache_stats=(self.connector.make_prefix_cache_stats()
                                           if self.connector is not None else None),
         )
+
+    def _take_num_swaps(self) -> int:
+        num_swaps, self._num_swaps_unreported = self._num_swaps_unreported, 0
+        return num_swaps
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Cache events since the last call (including a reset between steps)."""
