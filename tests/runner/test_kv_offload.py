@@ -158,6 +158,16 @@ def test_swap_and_recompute_preemption_give_the_same_greedy_tokens(
     assert_nothing_leaked(engine, CROWD_POOL)
 
 
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_swapped_requests_come_back_under_any_queue_order(model, crowd_expected, policy):
+    # A swapped request waits holding its blocks once loaded: it must run
+    # before a request the queue puts first but that waits for blocks.
+    engine = crowded(model, kv_offload_size=TIER_GIB, preemption_mode="swap", policy=policy)
+    assert generate(engine, CROWD, max_tokens=10) == crowd_expected
+    assert engine.core.scheduler.num_swapped_preemptions_total > 0
+    assert_nothing_leaked(engine, CROWD_POOL)
+
+
 def test_swap_with_prefix_caching_off_copies_partial_blocks(model, crowd_expected):
     engine = crowded(model, kv_offload_size=TIER_GIB, preemption_mode="swap",
                      enable_prefix_caching=False)

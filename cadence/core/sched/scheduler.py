@@ -318,7 +318,7 @@ class Scheduler(SchedulerInterface):
         waiting = self.waiting
         caps = plan.prefill_caps
         if self.finished_recving_kv_req_ids or self._loaded_waiting:
-            self._loaded_first()
+            self._admit_loaded(plan)
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
             if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
@@ -359,17 +359,28 @@ class Scheduler(SchedulerInterface):
         if skipped:
             waiting.prepend_requests(skipped)
 
-    def _loaded_first(self) -> None:
-        """Requests whose KV load finished go to the head of the queue: they
-        hold blocks, and behind a request that waits for blocks they would
-        hold them forever (waiting requests are never preempted)."""
+    def _admit_loaded(self, plan: StepPlan) -> None:
+        """Admit first the waiting requests whose KV load finished: they hold
+        blocks, and behind a request that waits for blocks (waiting requests are
+        never preempted) they would hold them forever, whatever the queue order."""
         requests = self.requests
         self._loaded_waiting.intersection_update(requests)  # drop those aborted meanwhile
-        loaded = [requests[req_id] for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting)
-                  if req_id in requests]
-        if loaded:
-            self.waiting.remove_requests(loaded)
-            self.waiting.prepend_requests(loaded)
+        admitted = []
+        for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting):
+            request = requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if len(self.running) >= self.max_num_running_reqs or plan.token_budget <= 0:
+                break
+            if not self._is_ready(request) or request.num_computed_tokens == 0:
+                continue  # a failed load holds nothing: it waits its turn
+            if plan.loras and not plan.loras.can_add(request):
+                continue
+            if self._try_admit(request, plan) is not Admission.ADMITTED:
+                break
+            admitted.append(request)
+        if admitted:
+            self.waiting.remove_requests(admitted)
 
     def _displace_for(self, request: Request, plan: StepPlan) -> bool:
         """With every running slot taken: preempt the running request the policy
