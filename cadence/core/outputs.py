@@ -154,6 +154,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     spec_decoding_stats: SpecDecodingStats | None = None
     num_corrupted_reqs: int = 0
     num_preemptions: int = 0  # in the step just scheduled
+    # Preemptions that swapped KV to a tier (not recomputed), since the last stats.
+    num_swapped_preemptions: int = 0
     step_counter: int = 0
     # Tokens served per client since start (policy fair), a bounded set of names.
     client_service: dict[str, int] | None = None

@@ -168,6 +168,8 @@ class Scheduler(SchedulerInterface):
         self._blocked_since: dict[str, int] = {}
         self.num_preemptions_total = 0
         self._num_step_preemptions = 0
+        self.num_swapped_preemptions_total = 0
+        self._num_swaps_unreported = 0  # swapped preemptions since the last stats
 
     # ------------------------------------------------------------------
     # schedule()
@@ -296,10 +298,11 @@ class Scheduler(SchedulerInterface):
             # Never sent to the runner: it will start as a new request.
             unsent.discard(request.request_id)
             request.status = _WAITING
-        elif self.connector is not None:
+        elif self.connector is not None and self.connector.request_preempted(request):
             # Swap preemption: the connector copies the KV out before the
             # blocks are reused, and offers it back when the request is admitted.
-            self.connector.request_preempted(request)
+            self.num_swapped_preemptions_total += 1
+            self._num_swaps_unreported += 1
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -315,7 +318,7 @@ class Scheduler(SchedulerInterface):
         waiting = self.waiting
         caps = plan.prefill_caps
         if self.finished_recving_kv_req_ids or self._loaded_waiting:
-            self._loaded_first()
+            self._admit_loaded(plan)
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
             if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
@@ -356,17 +359,28 @@ class Scheduler(SchedulerInterface):
         if skipped:
             waiting.prepend_requests(skipped)
 
-    def _loaded_first(self) -> None:
-        """Requests whose KV load finished go to the head of the queue: they
-        hold blocks, and behind a request that waits for blocks they would
-        hold them forever (waiting requests are never preempted)."""
+    def _admit_loaded(self, plan: StepPlan) -> None:
+        """Admit first the waiting requests whose KV load finished: they hold
+        blocks, and behind a request that waits for blocks (waiting requests are
+        never preempted) they would hold them forever, whatever the queue order."""
         requests = self.requests
         self._loaded_waiting.intersection_update(requests)  # drop those aborted meanwhile
-        loaded = [requests[req_id] for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting)
-                  if req_id in requests]
-        if loaded:
-            self.waiting.remove_requests(loaded)
-            self.waiting.prepend_requests(loaded)
+        admitted = []
+        for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting):
+            request = requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if len(self.running) >= self.max_num_running_reqs or plan.token_budget <= 0:
+                break
+            if not self._is_ready(request) or request.num_computed_tokens == 0:
+                continue  # a failed load holds nothing: it waits its turn
+            if plan.loras and not plan.loras.can_add(request):
+                continue
+            if self._try_admit(request, plan) is not Admission.ADMITTED:
+                break
+            admitted.append(request)
+        if admitted:
+            self.waiting.remove_requests(admitted)
 
     def _displace_for(self, request: Request, plan: StepPlan) -> bool:
         """With every running slot taken: preempt the running request the policy
@@ -667,11 +681,16 @@ class Scheduler(SchedulerInterface):
             spec_decoding_stats=spec_decoding_stats,
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),
             num_preemptions=self._num_step_preemptions,
+            num_swapped_preemptions=self._take_num_swaps(),
             step_counter=self.step_counter,
             client_service=self._service_stats() if self._service_stats is not None else None,
             connector_prefix_cache_stats=(self.connector.make_prefix_cache_stats()
                                           if self.connector is not None else None),
         )
+
+    def _take_num_swaps(self) -> int:
+        num_swaps, self._num_swaps_unreported = self._num_swaps_unreported, 0
+        return num_swaps
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Cache events since the last call (including a reset between steps)."""

@@ -43,6 +43,7 @@ class OffloadingWorker(KVConnectorWorker):
         self._saves: list[CopyOrder] = []
         self.num_blocks_loaded = 0
         self.num_blocks_saved = 0
+        self.num_load_errors = 0  # blocks whose load failed
 
     def register_kv_caches(self, kv_caches: "PagedKVCache") -> None:
         data = kv_caches.data
@@ -103,7 +104,10 @@ class OffloadingWorker(KVConnectorWorker):
         """Tier slots -> KV-cache blocks; blocks whose slot does not hold the
         expected write, or whose copy fails, become invalid."""
         good = [order for order in orders if self.slot_tags[order[1]] == order[2]]
-        self._invalid.update(block_id for block_id, slot, tag in orders if self.slot_tags[slot] != tag)
+        if len(good) < len(orders):
+            bad = [block_id for block_id, slot, tag in orders if self.slot_tags[slot] != tag]
+            self._invalid.update(bad)
+            self.num_load_errors += len(bad)
         if not good:
             return
         block_ids = [block_id for block_id, _, _ in good]
@@ -115,5 +119,6 @@ class OffloadingWorker(KVConnectorWorker):
         except (RuntimeError, IndexError) as error:
             logger.warning("KV tier: a load of %d blocks failed (%s)", len(good), error)
             self._invalid.update(block_ids)
+            self.num_load_errors += len(block_ids)
             return
         self.num_blocks_loaded += len(good)
