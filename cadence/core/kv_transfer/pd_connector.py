@@ -178,7 +178,9 @@ class PDConnectorScheduler(KVConnectorBase):
         if not self._matches(request):
             return 0, False  # not this prompt's KV: computed here instead
         num_external = request.num_prompt_tokens - num_computed_tokens
-        return (num_external, True) if num_external > 0 else (0, False)
+        # The last prompt token is computed here anyway (its logits give the
+        # first output token): a load of that token alone would gain nothing.
+        return (num_external, True) if num_external > 1 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "list[KVCacheBlock]",
                                  num_external_tokens: int) -> None:
