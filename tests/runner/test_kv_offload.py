@@ -240,6 +240,11 @@ def test_preemption_mode_defaults_to_auto_with_a_tier():
                                      preemption_mode="recompute").preemption_mode == "recompute"
 
 
+def test_a_tier_larger_than_the_machine_is_refused(model):
+    with pytest.raises(ValueError, match=r"^kv_offload_size: the tier needs .* GiB, more than"):
+        build(model, kv_offload_size=1e6)
+
+
 def test_the_offloading_connector_needs_a_size(model):
     with pytest.raises(ValueError, match=r"^kv_offload_size: the OffloadingConnector needs a tier size"):
         build(model, kv_connector="OffloadingConnector")
