@@ -354,6 +354,7 @@ def compare_policies(
     prompt_maker_factory: Callable[[], PromptMaker] = PromptMaker,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
     charge_host_time: bool = False,
+    kv_tier: SimKVTier | None = None,
 ) -> dict[str, SimResult]:
     """The same specs (and so the same prompts) simulated under each policy.
 
@@ -367,6 +368,6 @@ def compare_policies(
         own = dict((policy_options or {}).get(policy, {}))
         config = replace(scheduler_config, policy=policy, **{**cleared, **own})
         simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory(),
-                              charge_host_time=charge_host_time)
+                              charge_host_time=charge_host_time, kv_tier=kv_tier)
         results[policy] = simulator.run(specs, label=policy)
     return results

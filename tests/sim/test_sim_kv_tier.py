@@ -49,3 +49,24 @@ def test_bad_tier_options_are_refused_by_name():
         SimKVTier(0)
     with pytest.raises(ValueError, match=r"^preemption_mode: must be one of"):
         SimKVTier(1, preemption_mode="never")
+
+
+def test_the_cli_runs_with_a_tier_and_refuses_swap_without_one(capsys):
+    import argparse
+    import re
+
+    from cadence.sim.cli import add_simulate_parser
+
+    def hit_rate(extra):
+        parser = argparse.ArgumentParser(prog="cadence")
+        add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args([
+            "simulate", "--num-requests", "60", "--rate", "20", "--prompt-len", "fixed:1024",
+            "--output-len", "fixed:8", "--prefix-groups", "12", "--prefix-fraction", "1.0",
+            "--prefix-tokens", "768", "--num-gpu-blocks", "512", *extra])
+        assert args.func(args) == 0
+        return float(re.search(r"prefix hit rate\s+([\d.]+)%", capsys.readouterr().out).group(1))
+
+    assert hit_rate(["--kv-offload-size", "16", "--copy-link", "nvlink"]) > hit_rate([]) + 10
+    with pytest.raises(ValueError, match=r"^preemption_mode: swap needs the host-memory tier"):
+        hit_rate(["--preemption-mode", "swap"])
