@@ -77,6 +77,12 @@ class OffloadingConnector(KVConnectorBase):
     def __init__(self, config: "KVTransferConfig", context: KVConnectorContext) -> None:
         if config.kv_offload_size is None:
             raise ValueError("kv_offload_size: the OffloadingConnector needs a tier size (GiB)")
+        if context.kv_role != "kv_both":
+            raise ValueError(f"kv_role: the OffloadingConnector saves and loads its own KV "
+                             f"(kv_both), not {context.kv_role}")
+        if config.kv_connector_extra_config:
+            raise ValueError(f"kv_connector_extra_config: the OffloadingConnector takes no options "
+                             f"(got {sorted(config.kv_connector_extra_config)[0]!r})")
         self.context = context
         self.block_size = context.block_size
         self.mode = context.preemption_mode
