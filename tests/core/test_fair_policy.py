@@ -114,6 +114,28 @@ def test_a_step_that_admits_an_under_served_client_carries_no_other_prompt():
     assert all_blocks_free(s)
 
 
+def test_the_short_step_holds_back_more_served_clients_still_waiting():
+    """No prompt of A is running, but A's requests wait behind B's: the step that
+    admits B carries no A prompt either (before, A's waiting prompts filled it)."""
+    s = new_scheduler(policy="fair", max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks=256)
+    runner = FakeRunner(block_size=s.block_size)
+    s.add_request(tenant_request("b-chat", "B", prompt=4, max_tokens=60))
+    for i in range(2):
+        s.add_request(tenant_request(f"a-run{i}", "A", prompt=30, max_tokens=60))
+    for _ in range(4):
+        step(s, runner)  # every prompt computed: A's two and B's one decode
+    for i in range(3):
+        s.add_request(tenant_request(f"a{i}", "A", prompt=100, max_tokens=2))
+    s.add_request(tenant_request("b0", "B", prompt=8, max_tokens=2))
+    assert s.policy.counters.get("B") < s.policy.counters.get("A")
+    so, _ = step(s, runner)
+    assert so.num_scheduled_tokens == {"b-chat": 1, "a-run0": 1, "a-run1": 1, "b0": 8}
+    so, _ = step(s, runner)
+    assert any(req_id.startswith("a") and n > 1 for req_id, n in so.num_scheduled_tokens.items())
+    run_until_done(s, runner)
+    assert all_blocks_free(s)
+
+
 def test_idle_counters_stay_bounded(monkeypatch):
     monkeypatch.setattr(fair, "MAX_IDLE_COUNTERS", 5)
     counters = fair.ServiceCounters()

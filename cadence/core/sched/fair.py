@@ -215,15 +215,16 @@ class FairPolicy:
         return min(candidates, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
 
     def begin_step(self, running: list[Request]) -> None:
-        """Pick the client this step favours: the front of the queue, when some
-        running prompt belongs to a more-served client (else none)."""
+        """Pick the client this step favours: the front of the queue, when a
+        more-served client has a prompt running or a request waiting (else none)."""
         self._favoured = None
         if self._queue is None or not self._queue:
             return
         front = self._queue._front_client()
         get = self.counters.get
         floor = get(front)
-        if any(is_prefilling(r) and get(r.tenant) > floor for r in running):
+        if (any(get(client) > floor for client in self._queue._by_client)
+                or any(is_prefilling(r) and get(r.tenant) > floor for r in running)):
             self._favoured = (front, floor)
 
     def defers_prefill(self, request: Request) -> bool:
