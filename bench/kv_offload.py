@@ -13,11 +13,16 @@
    (computed beyond a run on a pool large enough never to preempt),
    preemptions and swaps. Outputs must equal the unpreempted run's.
 
-The model is the default (SmolLM2-135M), greedy, prompts of random token
-ids (no tokenizer in the loop). Each configuration runs ``--repeats`` times,
-the best wall time kept (these machines are noisy).
+3. ``--sim``: the same two workloads in the simulator on the H100 roofline
+   (Llama-3-8B), the tier behind PCIe and behind NVLink-C2C (virtual clock:
+   may run on a busy machine).
 
-    python bench/kv_offload.py                          # both parts (minutes)
+Parts 1 and 2 use the default model (SmolLM2-135M), greedy, prompts of
+random token ids (no tokenizer in the loop). Each configuration runs
+``--repeats`` times, the best wall time kept (these machines are noisy).
+
+    python bench/kv_offload.py                          # parts 1 and 2 (minutes, a quiet machine)
+    python bench/kv_offload.py --sim                    # part 3 only (seconds)
     python bench/kv_offload.py --requests 6 --crowd 4 --repeats 1 --max-tokens 8   # a quick check
 """
 
@@ -170,6 +175,58 @@ def preemption_part(model, model_config, args) -> dict:
     return rows
 
 
+def sim_part(args) -> dict:
+    from cadence.config import CacheConfig, SchedulerConfig
+    from cadence.sim.cost_model import make_cost_model
+    from cadence.sim.kv_tier import SimKVTier
+    from cadence.sim.simulator import Simulator
+    from cadence.sim.workload import SyntheticWorkload
+
+    cost_model = make_cost_model("roofline:h100", "llama-3-8b")
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+
+    def simulate(specs, num_blocks, tier, caching=True):
+        simulator = Simulator(config, CacheConfig(num_gpu_blocks=num_blocks, enable_prefix_caching=caching),
+                              cost_model, kv_tier=tier)
+        result = simulator.run(specs)
+        copies = simulator.runner.tier_copies
+        return simulator, result, {
+            "clock_s": result.clock_s, "tokens_computed": simulator.runner.num_tokens_computed,
+            "preemptions": result.num_preemptions,
+            "swapped": simulator.scheduler.num_swapped_preemptions_total,
+            "copy_s": copies.copy_seconds if copies is not None else 0.0}
+
+    tiers = {"plain": None, **{f"tier {link}": SimKVTier(args.sim_tier_gib, link) for link in ("pcie", "nvlink")}}
+    prefix_specs = SyntheticWorkload(
+        num_requests=args.sim_requests, rate=args.sim_rate, prompt_len="fixed:2048", output_len="uniform:16:128",
+        prefix_groups=args.sim_prefix_groups, prefix_fraction=1.0, prefix_tokens=1536, seed=3).generate()
+    prefix_rows = {}
+    for label, tier in tiers.items():
+        _, result, row = simulate(prefix_specs, args.sim_primary_blocks, tier)
+        summary = result.summary()
+        row.update(prefix_hit_rate=summary["prefix_hit_rate"], ttft_p50_s=summary["ttft_s"]["p50"],
+                   ttft_p90_s=summary["ttft_s"]["p90"])
+        prefix_rows[label] = row
+        print(f"  sim shared prefix, {label:11s}: hit rate {row['prefix_hit_rate']:.2f}, TTFT p50 "
+              f"{1e3 * row['ttft_p50_s']:.1f} ms p90 {1e3 * row['ttft_p90_s']:.1f} ms, "
+              f"{row['tokens_computed']} tokens computed, copies {row['copy_s']:.2f} s", file=sys.stderr)
+    crowd_specs = SyntheticWorkload(num_requests=args.sim_requests, rate=0, prompt_len="uniform:256:2048",
+                                    output_len="uniform:256:1024", seed=5).generate()
+    crowd_rows = {}
+    _, _, reference = simulate(crowd_specs, 10 * args.sim_primary_blocks * 16, None, caching=False)
+    configs = {"recompute, no tier": None, **{
+        f"{mode}, {link}": SimKVTier(args.sim_tier_gib, link, mode)
+        for mode in ("recompute", "swap", "auto") for link in ("pcie", "nvlink")}}
+    for label, tier in configs.items():
+        _, _, row = simulate(crowd_specs, args.sim_primary_blocks, tier, caching=False)
+        row["tokens_recomputed"] = row["tokens_computed"] - reference["tokens_computed"]
+        crowd_rows[label] = row
+        print(f"  sim preemption, {label:18s}: {row['clock_s']:.2f} s, {row['tokens_recomputed']} tokens "
+              f"recomputed, {row['preemptions']} preemptions ({row['swapped']} swapped), "
+              f"copies {row['copy_s']:.2f} s", file=sys.stderr)
+    return {"shared_prefix": prefix_rows, "preemption": crowd_rows, "reference": reference}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pair = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -192,11 +249,27 @@ def main(argv=None) -> None:
     parser.add_argument("--crowd-prompt", type=pair, default=(64, 256), help="min,max prompt tokens")
     parser.add_argument("--crowd-max-tokens", type=int, default=128)
     parser.add_argument("--crowd-tokens", type=int, default=1536, help="the pool of the preemption part")
+    parser.add_argument("--sim", action="store_true", help="only the simulator part")
+    parser.add_argument("--sim-requests", type=int, default=400)
+    parser.add_argument("--sim-rate", type=float, default=20.0)
+    parser.add_argument("--sim-prefix-groups", type=int, default=48)
+    parser.add_argument("--sim-primary-blocks", type=int, default=4096, help="16-token blocks")
+    parser.add_argument("--sim-tier-gib", type=float, default=64.0)
     parser.add_argument("--skip-prefix", action="store_true")
     parser.add_argument("--skip-preemption", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.sim:
+        print(f"python bench/kv_offload.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
+              f"  the simulator: H100 roofline, Llama-3-8B (virtual clock)", file=sys.stderr)
+        results = {"sim_h100": sim_part(args)}
+        out = args.out.with_name("kv_offload_sim.json") if args.out == RESULTS else args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                  indent=1))
+        print(f"  written to {out}", file=sys.stderr)
+        return
     import torch
 
     from cadence.models.loader import load_model

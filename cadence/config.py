@@ -12,7 +12,7 @@ from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "slo")
 # Options that belong to one policy (refused with any other).
-POLICY_OPTIONS = {"fair": ("fair_client_weights",), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
+POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 # Drafting methods that need KV slots beyond the verified tokens for the
 # drafter's own forward passes (the draft model writes its KV there).
@@ -66,6 +66,12 @@ class SchedulerConfig:
                                  "named by the request's user); slo (latency targets first).")
     fair_client_weights: str | None = option(
         None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1)."
+    )
+    fair_short_step_tokens: int | None = option(
+        None, "With policy fair: the token budget of a step that serves only more-served "
+              "clients' prompts while a less-served client is active, so that client's next "
+              "request waits for a short step in flight (default: 3/8 of "
+              "max_num_batched_tokens; max_num_batched_tokens turns it off)."
     )
     slo_ttft_s: float | None = option(
         None, "With policy slo: the time-to-first-token target of requests that set none (s)."
@@ -143,6 +149,10 @@ class SchedulerConfig:
         if self.fair_client_weights is not None:
             _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
             parse_client_weights(self.fair_client_weights)
+        if self.fair_short_step_tokens is not None:
+            _require(self.policy == "fair", "fair_short_step_tokens", "applies to policy fair only")
+            _require(1 <= self.fair_short_step_tokens <= self.max_num_batched_tokens,
+                     "fair_short_step_tokens", "must be between 1 and max_num_batched_tokens")
         if self.preemption_mode is not None:
             _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                      f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")

@@ -75,6 +75,9 @@ class ModelRunnerOutput:
     pooler_output: list[Any] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None
     num_nans_in_logits: dict[str, int] | None = None
+    # req_id -> why the runner cannot serve it (its LoRA adapter cannot be
+    # loaded again, ...): the engine fails those requests, and only those.
+    failed_requests: dict[str, str] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -80,6 +80,7 @@ class EngineCore:
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         # (lora_int_id, lora_path) of the adapters the runner accepted.
         self._checked_loras: set[tuple[int, str]] = set()
+        self._request_errors: dict[str, str] = {}  # see take_request_errors
         # Cache events are the Scheduler's, outside the scheduler contract.
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
@@ -141,11 +142,7 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_overlapped()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        self._count_step(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._publish_kv_events()
-        return outputs
+        return self._absorb(scheduler_output, self.runner.execute_model(scheduler_output))
 
     def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
         in_flight = self.in_flight
@@ -157,8 +154,17 @@ class EngineCore:
         if not in_flight:
             return {}
         scheduler_output, future = in_flight.popleft()
-        runner_output = future.result()
+        return self._absorb(scheduler_output, future.result())
+
+    def _absorb(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Take a step's results; requests the runner could not serve end first,
+        their reasons kept for ``take_request_errors``."""
         self._count_step(scheduler_output)
+        if runner_output.failed_requests:
+            self.scheduler.finish_requests(list(runner_output.failed_requests),
+                                           RequestStatus.FINISHED_ABORTED)
+            self._request_errors.update(runner_output.failed_requests)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         return outputs
@@ -167,6 +173,11 @@ class EngineCore:
         self.num_steps += 1
         idle = not scheduler_output.total_num_scheduled_tokens
         self.num_idle_steps = self.num_idle_steps + 1 if idle else 0
+
+    def take_request_errors(self) -> dict[str, str]:
+        """Requests ended because the runner could not serve them: id -> why."""
+        errors, self._request_errors = self._request_errors, {}
+        return errors
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (refused while blocks are owned); the

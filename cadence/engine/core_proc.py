@@ -147,6 +147,9 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         outputs = self.core.step()
+        for request_id, why in self.core.take_request_errors().items():
+            error = wire.RequestError(request_id, why)
+            self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
         if not outputs:
             # No request produced anything (prefill chunks, or only frees after an
             # abort): still send the stats, so gauges such as KV usage stay current;

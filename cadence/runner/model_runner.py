@@ -124,6 +124,7 @@ class ModelRunner:
         self.attention_kernel = None
         self.cpu_paths = None
         self.lora = LoRAManager(model, lora_config, dtype, self.device) if lora_config else None
+        self._failed_requests: dict[str, str] = {}  # this step's, for ModelRunnerOutput
         if self.device.type == "cpu":
             keep_freed_memory()
             self.cpu_paths = choose_cpu_paths(dtype) if cpu_paths is None else cpu_paths
@@ -240,8 +241,10 @@ class ModelRunner:
 
     def _execute_scheduled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The forward and sampling of the scheduled tokens."""
+        failed, self._failed_requests = self._failed_requests or None, {}
         if not scheduler_output.total_num_scheduled_tokens:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                     failed_requests=failed)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         if self.lora is not None:
@@ -267,6 +270,7 @@ class ModelRunner:
             spec_token_ids=self._propose_drafts(step, sampled),
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            failed_requests=failed,
         )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,11 +366,20 @@ class ModelRunner:
         return {state.lora_int_id for state in self.requests.values() if state.lora_int_id}
 
     def _lora_id_of(self, new_req: NewRequestData) -> int:
-        """The request's adapter id, its adapter loaded again if it was unloaded meanwhile."""
-        if new_req.lora_request is None:
+        """The request's adapter id, its adapter loaded again if it was unloaded
+        meanwhile. If that fails (its files are gone), the row runs on the base
+        model this step and the request is reported failed: the engine ends it."""
+        lora = new_req.lora_request
+        if lora is None:
             return 0
-        self.add_lora(new_req.lora_request)
-        return new_req.lora_request.lora_int_id
+        try:
+            self.add_lora(lora)
+        except (ValueError, OSError) as error:
+            self._failed_requests[new_req.req_id] = (
+                f"lora_request: adapter {lora.lora_name!r} was unloaded and cannot be loaded "
+                f"again from {lora.lora_path!r}: {error}")
+            return 0
+        return lora.lora_int_id
 
     def _draft_gate_for(self, req_id: str) -> DraftGate | None:
         """A request sent anew after preemption keeps its gate (its acceptance so far)."""

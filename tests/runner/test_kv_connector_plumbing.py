@@ -28,6 +28,16 @@ def model():
     return random_model(tiny_config(), seed=0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's steps are microseconds of math: a second intra-op
+    thread only adds synchronisation (tens of ms a step on a busy machine)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 def build(model, *, num_gpu_blocks=64, **options):
     options = EngineOptions.from_kwargs(device="cpu", dtype="float32", block_size=BLOCK,
                                         num_gpu_blocks=num_gpu_blocks, max_model_len=128, **options)

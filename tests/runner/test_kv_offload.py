@@ -240,6 +240,17 @@ def test_preemption_mode_defaults_to_auto_with_a_tier():
                                      preemption_mode="recompute").preemption_mode == "recompute"
 
 
-def test_the_offloading_connector_needs_a_size(model):
-    with pytest.raises(ValueError, match=r"^kv_offload_size: the OffloadingConnector needs a tier size"):
-        build(model, kv_connector="OffloadingConnector")
+def test_a_tier_larger_than_the_machine_is_refused(model):
+    with pytest.raises(ValueError, match=r"^kv_offload_size: the tier needs .* GiB, more than"):
+        build(model, kv_offload_size=1e6)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"kv_connector": "OffloadingConnector"}, r"^kv_offload_size: the OffloadingConnector needs a tier size"),
+    ({"kv_offload_size": 0.01, "kv_role": "kv_producer"}, r"^kv_role: the OffloadingConnector .* not kv_producer"),
+    ({"kv_offload_size": 0.01, "kv_connector_extra_config": {"x": 1}},
+     r"^kv_connector_extra_config: the OffloadingConnector takes no options \(got 'x'\)"),
+])
+def test_offloading_options_it_cannot_honour_are_refused(model, options, message):
+    with pytest.raises(ValueError, match=message):
+        build(model, **options)

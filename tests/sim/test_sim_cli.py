@@ -89,6 +89,22 @@ def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):
     assert fair["1"]["ttft_p90_s"] < fcfs["1"]["ttft_p90_s"] / 5
     assert (out / "ttft_cdf_per_client.png").read_bytes()[:4] == b"\x89PNG"
     assert fair["1"]["num_requests"] == fcfs["1"]["num_requests"]
+    throughput = {p: policies[p]["throughput"]["output_tokens_per_s"] for p in ("fcfs", "fair")}
+    assert throughput["fair"] >= 0.95 * throughput["fcfs"]
+
+
+def test_fair_short_steps_cut_the_light_clients_wait(tmp_path):
+    """The same trace with short steps off (the whole budget) and on (the default)."""
+    light_p90 = {}
+    for short in ("2048", None):
+        out = tmp_path / f"short-{short}"
+        flags = [] if short is None else ["--fair-short-step-tokens", short]
+        args = parse(["simulate", "--policy", "fair", "--num-requests", "600", "--rate", "90",
+                      "--client-shares", "10,1", "--seed", "1", "--out", str(out), *flags])
+        assert args.func(args) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        light_p90[short] = summary["policies"]["fair"]["per_client"]["1"]["ttft_p90_s"]
+    assert light_p90[None] < 0.9 * light_p90["2048"]
 
 
 def test_weighted_shares_give_a_fair_jain_index(tmp_path, capsys):

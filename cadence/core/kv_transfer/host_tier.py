@@ -28,7 +28,8 @@ class HostTier:
         if num_slots < 1:
             raise ValueError("kv_offload_size: too small for one KV block")
         self.num_slots = num_slots
-        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
+        self.free_slots: list[int] = []  # slots given back; never-used ones from _num_fresh_taken on
+        self._num_fresh_taken = 0
         self.index: dict[Any, int] = {}  # block hash -> slot
         self.slot_hash: dict[int, Any] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unpinned; oldest first
@@ -54,6 +55,9 @@ class HostTier:
         cached one (its hash forgotten); None when every slot is pinned."""
         if self.free_slots:
             slot = self.free_slots.pop()
+        elif self._num_fresh_taken < self.num_slots:
+            slot = self._num_fresh_taken
+            self._num_fresh_taken += 1
         elif self.lru:
             slot, _ = self.lru.popitem(last=False)
             del self.index[self.slot_hash.pop(slot)]
@@ -105,6 +109,8 @@ class HostTier:
         """Assert the three-state invariant (for tests)."""
         free, lru, pinned = set(self.free_slots), set(self.lru), set(self.pins)
         assert len(free) == len(self.free_slots), "a slot is free twice"
+        assert all(slot < self._num_fresh_taken for slot in free | lru | pinned), "a fresh slot in use"
+        free.update(range(self._num_fresh_taken, self.num_slots))
         assert not (free & lru or free & pinned or lru & pinned), "a slot in two states"
         assert len(free) + len(lru) + len(pinned) == self.num_slots, "a slot was lost"
         assert all(count > 0 for count in self.pins.values())

@@ -77,6 +77,12 @@ class OffloadingConnector(KVConnectorBase):
     def __init__(self, config: "KVTransferConfig", context: KVConnectorContext) -> None:
         if config.kv_offload_size is None:
             raise ValueError("kv_offload_size: the OffloadingConnector needs a tier size (GiB)")
+        if context.kv_role != "kv_both":
+            raise ValueError(f"kv_role: the OffloadingConnector saves and loads its own KV "
+                             f"(kv_both), not {context.kv_role}")
+        if config.kv_connector_extra_config:
+            raise ValueError(f"kv_connector_extra_config: the OffloadingConnector takes no options "
+                             f"(got {sorted(config.kv_connector_extra_config)[0]!r})")
         self.context = context
         self.block_size = context.block_size
         self.mode = context.preemption_mode
@@ -90,7 +96,8 @@ class OffloadingConnector(KVConnectorBase):
         self._loading: dict[str, list[tuple[int, int]]] = {}
         self._meta = OffloadingMetadata()
         self._pinned_this_step: list[int] = []
-        self._stats = PrefixCacheStats()
+        self._stats = PrefixCacheStats()  # since the last make_prefix_cache_stats
+        self.num_hit_tokens = 0  # tier hits since start (swaps back included)
         self.num_swapped_out = 0
         self.num_swapped_blocks = 0
 
@@ -117,6 +124,7 @@ class OffloadingConnector(KVConnectorBase):
                 break
             slots.append(slot)
         self._stats.record(request.num_tokens, len(slots) * self.block_size, False)
+        self.num_hit_tokens += len(slots) * self.block_size
         if not slots:
             return 0, False
         self._matched[request.request_id] = (first, slots)
@@ -126,6 +134,7 @@ class OffloadingConnector(KVConnectorBase):
         num_tokens = min(swapped.num_tokens, request.num_tokens - 1)
         num_external = num_tokens - first * self.block_size
         self._stats.record(request.num_tokens, max(0, num_external), True)
+        self.num_hit_tokens += max(0, num_external)
         if num_external <= 0:  # the local hits cover it: nothing to load
             self._release_swap(request.request_id)
             return 0, False

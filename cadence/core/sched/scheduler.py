@@ -118,6 +118,7 @@ class Scheduler(SchedulerInterface):
         self._service_stats = getattr(self.policy, "service_stats", None)
         self._defers_prefill = getattr(self.policy, "defers_prefill", None)
         self._begin_step = getattr(self.policy, "begin_step", None)
+        self._step_budget = getattr(self.policy, "step_budget", None)
         # Shared with the lifecycle and the absorber: changed in place, never rebound.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
@@ -179,7 +180,10 @@ class Scheduler(SchedulerInterface):
         self.lifecycle.apply_cancellations()
         if self._begin_step is not None:
             self._begin_step(self.running)
-        plan = StepPlan(self.max_num_scheduled_tokens, self.config)
+        budget = self.max_num_scheduled_tokens
+        if self._step_budget is not None:
+            budget = self._step_budget(budget)
+        plan = StepPlan(budget, self.config)
         if self.lora_config is not None:
             # Count every running request's adapter, scheduled this step or not,
             # so the running set itself never holds more than max_loras adapters.
@@ -550,7 +554,7 @@ class Scheduler(SchedulerInterface):
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_scheduled_tokens - plan.token_budget,
+            total_num_scheduled_tokens=plan.token_limit - plan.token_budget,
             scheduled_spec_decode_tokens=plan.spec_tokens,
             scheduled_encoder_inputs=plan.encoder_inputs,
             num_common_prefix_blocks=self._num_common_prefix_blocks(),

@@ -14,6 +14,7 @@ raises fails: a failed load's blocks are reported invalid and recomputed.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,17 @@ logger = logging.getLogger(__name__)
 _NO_TAG = 0  # the tag of a slot never written, or whose write failed
 
 
+def _check_host_memory(num_bytes: int) -> None:
+    """Refuse a tier larger than this machine's memory (it would be killed filling it)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return  # unknown: let the allocation decide
+    if num_bytes > total:
+        raise ValueError(f"kv_offload_size: the tier needs {num_bytes / 2**30:.1f} GiB, more than "
+                         f"this machine's {total / 2**30:.1f} GiB of memory")
+
+
 class OffloadingWorker(KVConnectorWorker):
     """Executes the tier's copy orders around each forward."""
 
@@ -37,7 +49,7 @@ class OffloadingWorker(KVConnectorWorker):
         self.num_slots = tier_num_slots(config.kv_offload_size, context.bytes_per_block)
         self.kv_cache: PagedKVCache | None = None
         self.tier: torch.Tensor | None = None  # [L, 2, num_slots, block_size, Hkv, D]
-        self.slot_tags: list[int] = [_NO_TAG] * self.num_slots
+        self.slot_tags: dict[int, int] = {}  # slot -> tag of the write it holds
         self._recving: set[str] = set()
         self._invalid: set[int] = set()
         self._saves: list[CopyOrder] = []
@@ -49,10 +61,11 @@ class OffloadingWorker(KVConnectorWorker):
         data = kv_caches.data
         shape = (data.shape[0], data.shape[1], self.num_slots, *data.shape[3:])
         if self.tier is None or self.tier.shape != shape or self.tier.dtype != data.dtype:
+            _check_host_memory(self.num_slots * data[:, :, :1].nbytes)
             # Empty: pages are committed as slots are written (the tags guard reads).
             self.tier = torch.empty(shape, dtype=data.dtype, device="cpu",
                                     pin_memory=data.device.type == "cuda")
-            self.slot_tags = [_NO_TAG] * self.num_slots
+            self.slot_tags = {}
         self.kv_cache = kv_caches
 
     def start_load_kv(self, metadata: OffloadingMetadata | None) -> None:
@@ -103,9 +116,10 @@ class OffloadingWorker(KVConnectorWorker):
     def _load(self, orders: list[CopyOrder]) -> None:
         """Tier slots -> KV-cache blocks; blocks whose slot does not hold the
         expected write, or whose copy fails, become invalid."""
-        good = [order for order in orders if self.slot_tags[order[1]] == order[2]]
+        tags = self.slot_tags
+        good = [order for order in orders if tags.get(order[1], _NO_TAG) == order[2]]
         if len(good) < len(orders):
-            bad = [block_id for block_id, slot, tag in orders if self.slot_tags[slot] != tag]
+            bad = [block_id for block_id, slot, tag in orders if tags.get(slot, _NO_TAG) != tag]
             self._invalid.update(bad)
             self.num_load_errors += len(bad)
         if not good:
