@@ -34,6 +34,7 @@ from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
 from cadence.core.request import LoRARequest, Request
 from cadence.engine.core_proc import start_engine_process
 from cadence.engine.inputs import make_request
+from cadence.engine.kv_connectors import kv_transfer_params_checker
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.wire import (
@@ -61,6 +62,16 @@ def new_ipc_addresses() -> tuple[str, str, str]:
     """(folder, input address, output address): Unix sockets in a private folder."""
     folder = tempfile.mkdtemp(prefix="cadence-")
     return folder, f"ipc://{folder}/input", f"ipc://{folder}/output"
+
+
+def bind(socket: zmq.Socket, ipc_address: str, tcp_host: str | None) -> str:
+    """Bind ``socket`` to ``ipc_address``, or to a free TCP port on every interface
+    when ``tcp_host`` is given; the address an engine connects to."""
+    if tcp_host is None:
+        socket.bind(ipc_address)
+        return ipc_address
+    port = socket.bind_to_random_port("tcp://*")
+    return f"tcp://{tcp_host}:{port}"
 
 
 # ---------------------------------------------------------------- errors
@@ -222,24 +233,28 @@ class AsyncLLM:
     """
 
     def __init__(self, *, stat_logger: StatLogger | None = None,
-                 max_num_queued_requests: int | None = None) -> None:
-        self._folder, self.input_address, self.output_address = new_ipc_addresses()
+                 max_num_queued_requests: int | None = None, tcp_host: str | None = None) -> None:
+        """``tcp_host``: talk to the engine over TCP, the engine connecting to this
+        host (an engine on another machine), instead of over Unix sockets."""
+        self._folder, input_address, output_address = new_ipc_addresses()
         self._slo_defaults: tuple[float | None, float | None] = (None, None)  # see start
         self._grammar_backend_name = "llguidance"  # see start
         # Whether the engine may refuse a request after it was sent (--slo-reject).
         self.refuses_under_load = False
         self._grammars: GrammarBackendBase | None = None  # checks grammars before they are sent
+        # Checks a request's kv_transfer_params (None: the engine's connector reads none).
+        self._kv_transfer_check: Callable[[Any], None] | None = None  # see start
         # Sends go through a plain socket: a PUSH with no high-water mark never
         # blocks, so a handler or the output loop can send without awaiting.
         self._send_ctx = zmq.Context()
         self._input = self._send_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.bind(self.input_address)
+        self.input_address = bind(self._input, input_address, tcp_host)
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(self.output_address)
+        self.output_address = bind(self._output, output_address, tcp_host)
         self.stat_logger = stat_logger
         self.max_num_queued_requests = max_num_queued_requests
         self.tokenizer: Tokenizer | None = None
@@ -267,13 +282,18 @@ class AsyncLLM:
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
         self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
+        self._kv_transfer_check = kv_transfer_params_checker(options.kv_transfer)
         if scheduler.policy == "slo":
             self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
-        process = start_engine_process(options, self.input_address, self.output_address,
-                                       model_name)
+        process = self._spawn_engine(options, model_name)
         self.process = process  # owned from here: shutdown() stops it even if loading fails
         tokenizer = await asyncio.to_thread(load_tokenizer, options.engine.model)
         return await self._attach(process, tokenizer, timeout_s)
+
+    def _spawn_engine(self, options: EngineOptions, model_name: str) -> Any:
+        """The engine process (anything with a ``multiprocessing.Process``'s
+        sentinel, is_alive, join, kill, exitcode and pid)."""
+        return start_engine_process(options, self.input_address, self.output_address, model_name)
 
     async def _attach(self, process: Any, tokenizer: Tokenizer, timeout_s: float) -> EngineReady:
         """Wait for the engine's handshake, then start routing its outputs."""
@@ -347,7 +367,7 @@ class AsyncLLM:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, priority: int = 0, user: str | None = None,
         slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
 
@@ -362,6 +382,8 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         check_priority(priority)
         self.check_structured_outputs(params)
+        if kv_transfer_params is not None:
+            params = self._with_kv_transfer_params(params, kv_transfer_params)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
                                self.info.max_model_len, priority=priority, user=user,
                                slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
@@ -383,6 +405,21 @@ class AsyncLLM:
         calls this in a worker thread first; ``add_request`` then hits the cache."""
         if params.structured_outputs is not None and self._grammars is not None:
             self._grammars.check(params.structured_outputs)
+
+    def _with_kv_transfer_params(self, params: SamplingParams, kv_transfer_params: Any
+                                 ) -> SamplingParams:
+        """``params`` carrying ``kv_transfer_params`` to the engine's KV connector
+        (vLLM's place for them: ``extra_args``); ValueError naming the field when
+        this engine's connector cannot act on them, or it has none."""
+        if self._kv_transfer_check is None:
+            raise ValueError("kv_transfer_params: this server has no KV connector that reads "
+                             "them (start it with --kv-transfer-config, e.g. "
+                             "'{\"kv_connector\": \"PDConnector\", \"kv_role\": \"kv_producer\"}')")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params: only with n=1")
+        self._kv_transfer_check(kv_transfer_params)
+        extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+        return params.replace(extra_args=extra_args)
 
     def check_can_ever_admit(self, num_seqs: int) -> None:
         """Refuse (ValueError, HTTP 400) what no wait would let in: more sequences

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from cadence.config import EngineOptions, parse_memory
+from cadence.core.sched.kv_connector import KVConnectorContext
 from cadence.core.sched.scheduler import Scheduler
 from cadence.core.sched.structured_output import StructuredOutputManager
 from cadence.engine.core import EngineCore
+from cadence.engine.kv_connectors import make_kv_connector_scheduler, make_kv_connector_worker
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
 from cadence.models.quantized import describe as describe_quantized
@@ -107,9 +109,19 @@ def assemble_engine(
     if tokenizer is not None:
         grammar_backend = make_grammar_backend(
             engine_config.structured_outputs_backend, tokenizer, model_config.vocab_size)
+    connector_context = None
+    if options.kv_transfer is not None:
+        connector_context = KVConnectorContext(
+            block_size=cache_config.block_size, num_blocks=num_blocks, bytes_per_block=block_bytes,
+            kv_role=options.kv_transfer.kv_role or "kv_both",
+            seconds_per_token=estimated_seconds_per_token(model, device),
+            copy_bytes_per_second=_ESTIMATED_COPY_BYTES_PER_SECOND.get(device.type, 1e10),
+            preemption_mode=options.preemption_mode)
     scheduler = Scheduler(
         scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True,
         lora_config=options.lora,
+        kv_connector=(make_kv_connector_scheduler(options.kv_transfer, connector_context)
+                      if connector_context is not None else None),
         structured_output_manager=(StructuredOutputManager(grammar_backend)
                                    if grammar_backend is not None else None),
     )
@@ -120,6 +132,10 @@ def assemble_engine(
             device=device, speculative_config=options.speculative,
             sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
         )
+    if connector_context is not None:
+        runner.attach_kv_connector(make_kv_connector_worker(options.kv_transfer, connector_context))
+        print(f"cadence: KV connector {options.kv_transfer.kv_connector} "
+              f"({connector_context.kv_role}, preemption by {options.preemption_mode})", file=log)
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
     kept = model.quantized_weights() if hasattr(model, "quantized_weights") else []
@@ -182,6 +198,19 @@ def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, l
         print(f"cadence: CUDA graphs captured for decode batches of {sizes[0]}..{sizes[-1]} "
               f"({len(sizes)} sizes)", file=log)
     return runner, num_blocks
+
+
+# Rough sustained rates, for the connectors' cost models only (their
+# options override the estimate): matmul FLOP/s of a CPU and of a GPU.
+_ESTIMATED_FLOPS = {"cpu": 5e10, "cuda": 3e14}
+# Bytes per second of a KV copy to host memory: memcpy in RAM; PCIe to pinned memory.
+_ESTIMATED_COPY_BYTES_PER_SECOND = {"cpu": 1e10, "cuda": 2.5e10}
+
+
+def estimated_seconds_per_token(model: torch.nn.Module, device: torch.device) -> float:
+    """Seconds to compute one token's KV: two FLOPs per weight at a rough rate."""
+    num_params = sum(p.numel() for p in model.parameters())
+    return 2 * num_params / _ESTIMATED_FLOPS.get(device.type, _ESTIMATED_FLOPS["cpu"])
 
 
 def _resolve_dtype(engine_config, device: torch.device) -> torch.dtype:

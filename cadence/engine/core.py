@@ -69,6 +69,9 @@ class EngineCore:
         self.runner = runner
         self.event_publisher = event_publisher
         self.num_steps = 0
+        # Steps in a row that computed nothing (e.g. only KV transfers to wait
+        # for): the engine process paces them instead of spinning.
+        self.num_idle_steps = 0
         self.async_scheduling = async_scheduling
         self._executor = executor
         if async_scheduling and executor is None:
@@ -77,15 +80,20 @@ class EngineCore:
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         # (lora_int_id, lora_path) of the adapters the runner accepted.
         self._checked_loras: set[tuple[int, str]] = set()
+        self._request_errors: dict[str, str] = {}  # see take_request_errors
         # Cache events are the Scheduler's, outside the scheduler contract.
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one).
+        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one,
+        or kv_transfer_params that no KV connector here reads).
 
         An adapter loaded once is not loaded again here: the runner loads it
         anew itself if it unloaded it meanwhile.
         """
+        if request.kv_transfer_params is not None and not getattr(
+                self.scheduler.get_kv_connector(), "reads_kv_transfer_params", False):
+            raise ValueError("kv_transfer_params: this engine has no KV connector that reads them")
         lora = request.lora_request
         if lora is not None and (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
             self.add_lora(lora)
@@ -134,11 +142,7 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_overlapped()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        self.num_steps += 1
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._publish_kv_events()
-        return outputs
+        return self._absorb(scheduler_output, self.runner.execute_model(scheduler_output))
 
     def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
         in_flight = self.in_flight
@@ -150,11 +154,30 @@ class EngineCore:
         if not in_flight:
             return {}
         scheduler_output, future = in_flight.popleft()
-        runner_output = future.result()
-        self.num_steps += 1
+        return self._absorb(scheduler_output, future.result())
+
+    def _absorb(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Take a step's results; requests the runner could not serve end first,
+        their reasons kept for ``take_request_errors``."""
+        self._count_step(scheduler_output)
+        if runner_output.failed_requests:
+            self.scheduler.finish_requests(list(runner_output.failed_requests),
+                                           RequestStatus.FINISHED_ABORTED)
+            self._request_errors.update(runner_output.failed_requests)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         return outputs
+
+    def _count_step(self, scheduler_output: SchedulerOutput) -> None:
+        self.num_steps += 1
+        idle = not scheduler_output.total_num_scheduled_tokens
+        self.num_idle_steps = self.num_idle_steps + 1 if idle else 0
+
+    def take_request_errors(self) -> dict[str, str]:
+        """Requests ended because the runner could not serve them: id -> why."""
+        errors, self._request_errors = self._request_errors, {}
+        return errors
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (refused while blocks are owned); the
@@ -170,6 +193,9 @@ class EngineCore:
                     future.cancel()
                 self._executor.shutdown(wait=True)
             self.scheduler.shutdown()
+            shutdown_runner = getattr(self.runner, "shutdown", None)
+            if shutdown_runner is not None:
+                shutdown_runner()
         finally:
             if self.event_publisher is not None:
                 self._publish_kv_events()

@@ -116,6 +116,8 @@ class ZmqEventPublisher:
         self._cond = threading.Condition()
         self._next_seq = 0
         self._closing = False
+        # Set on a data-parallel replica: stamped on every batch it publishes.
+        self.data_parallel_rank: int | None = None
         self.num_dropped = 0
         self.num_sent = 0
         self._thread = threading.Thread(target=self._run, name="cadence-kv-events", daemon=True)
@@ -152,6 +154,8 @@ class ZmqEventPublisher:
                 self._count_dropped()
             seq = self._next_seq
             self._next_seq += 1
+            if self.data_parallel_rank is not None:
+                batch.data_parallel_rank = self.data_parallel_rank
             self._queue.append((seq, batch))
             self._cond.notify()
         return seq

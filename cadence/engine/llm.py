@@ -29,6 +29,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, dtype=dtype, **engine_options)
+        parallel = self.options.parallel
+        if parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray":
+            raise ValueError("data_parallel_size: engine replicas serve behind cadence serve; "
+                             "offline generation runs one engine in this process")
         if self.options.scheduler.slo_reject:
             raise ValueError("slo_reject: refuses requests under load, which only a server can "
                              "answer (429); offline generation runs every request")
@@ -114,7 +118,8 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         core = self.engine.core
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, RequestOutput | None] = {}  # None: failed, see errors
+        errors: dict[str, str] = {}
         wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
         while len(finals) < len(wanted) and core.has_work():
@@ -128,9 +133,13 @@ class LLM:
                 if result.finished and result.request_id in wanted:
                     finals[result.request_id] = result
                     bar.update(1)
+            errors.update(core.take_request_errors())
+            finals.update(dict.fromkeys(errors.keys() & wanted - finals.keys()))
         bar.close()
         while core.has_work() and not core.scheduler.has_unfinished_requests():
             core.step()  # report the last finished ids to the runner
+        if errors:  # the others ran to the end first
+            raise ValueError("; ".join(f"request {request_id}: {why}" for request_id, why in errors.items()))
         return [finals[request_id] for request_id in request_ids]
 
     def _count_drafts(self, step_outputs) -> None:

@@ -36,6 +36,7 @@ from cadence.runner.grammar_mask import revive_dead_rows
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
+from cadence.runner.kv_transfer.base import KVConnectorWorker, take_connector_output
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
 from cadence.runner.lora import LoRAManager
 from cadence.runner.ngram_drafter import NgramDrafter
@@ -70,6 +71,7 @@ class ModelRunner:
         sliding_window: int | None = None,
         attention_backend: str | None = None,
         lora_config: "LoRAConfig | None" = None,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
@@ -77,7 +79,9 @@ class ModelRunner:
         attention window (default: the model's own). ``attention_backend``:
         ``triton`` (the default on a GPU; on the CPU only under
         ``TRITON_INTERPRET=1``, for tests) or ``cpu`` (the default on the CPU).
-        ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs)."""
+        ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs).
+        ``kv_connector``: the worker side of a KV connector, called around
+        every step's forward (see ``cadence.runner.kv_transfer.base``)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -108,6 +112,7 @@ class ModelRunner:
         if self.attention_backend == "triton":
             self.stager = StepStager(self.device, self.group, model_config.num_key_value_heads,
                                      self.sliding_window)
+        self.kv_connector = kv_connector
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
@@ -119,6 +124,7 @@ class ModelRunner:
         self.attention_kernel = None
         self.cpu_paths = None
         self.lora = LoRAManager(model, lora_config, dtype, self.device) if lora_config else None
+        self._failed_requests: dict[str, str] = {}  # this step's, for ModelRunnerOutput
         if self.device.type == "cpu":
             keep_freed_memory()
             self.cpu_paths = choose_cpu_paths(dtype) if cpu_paths is None else cpu_paths
@@ -143,6 +149,18 @@ class ModelRunner:
             self.model_config, num_blocks=num_blocks + extra, block_size=self.block_size,
             dtype=self.dtype, device=self.device,
         )
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_cache)
+
+    def attach_kv_connector(self, kv_connector: KVConnectorWorker) -> None:
+        """Call ``kv_connector`` around every step from now on (between steps only)."""
+        self.kv_connector = kv_connector
+        kv_connector.register_kv_caches(self.kv_cache)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads (the engine core calls this last)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def capture_cuda_graphs(self, capture_sizes: list[int]) -> None:
         """Capture the decode forward for each batch size (CUDA, Triton backend only)."""
@@ -211,10 +229,24 @@ class ModelRunner:
     # ------------------------------------------------------------ the step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and report what each scheduled request sampled."""
+        """Run one step and report what each scheduled request sampled (and
+        what the KV connector, if any, finished moving)."""
         self._update_states(scheduler_output)
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_scheduled(scheduler_output)
+        connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        output = self._execute_scheduled(scheduler_output)
+        connector.wait_for_save()
+        output.kv_connector_output = take_connector_output(connector, scheduler_output.finished_req_ids)
+        return output
+
+    def _execute_scheduled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward and sampling of the scheduled tokens."""
+        failed, self._failed_requests = self._failed_requests or None, {}
         if not scheduler_output.total_num_scheduled_tokens:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                     failed_requests=failed)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         if self.lora is not None:
@@ -240,6 +272,7 @@ class ModelRunner:
             spec_token_ids=self._propose_drafts(step, sampled),
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            failed_requests=failed,
         )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,11 +368,20 @@ class ModelRunner:
         return {state.lora_int_id for state in self.requests.values() if state.lora_int_id}
 
     def _lora_id_of(self, new_req: NewRequestData) -> int:
-        """The request's adapter id, its adapter loaded again if it was unloaded meanwhile."""
-        if new_req.lora_request is None:
+        """The request's adapter id, its adapter loaded again if it was unloaded
+        meanwhile. If that fails (its files are gone), the row runs on the base
+        model this step and the request is reported failed: the engine ends it."""
+        lora = new_req.lora_request
+        if lora is None:
             return 0
-        self.add_lora(new_req.lora_request)
-        return new_req.lora_request.lora_int_id
+        try:
+            self.add_lora(lora)
+        except (ValueError, OSError) as error:
+            self._failed_requests[new_req.req_id] = (
+                f"lora_request: adapter {lora.lora_name!r} was unloaded and cannot be loaded "
+                f"again from {lora.lora_path!r}: {error}")
+            return 0
+        return lora.lora_int_id
 
     def _draft_gate_for(self, req_id: str) -> DraftGate | None:
         """A request sent anew after preemption keeps its gate (its acceptance so far)."""

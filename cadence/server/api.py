@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cadence.config import EngineOptions
-from cadence.engine.async_llm import AsyncLLM
+from cadence.engine.dp_client import make_async_llm
 from cadence.models.default_model import model_name_of
 from cadence.server.adapters import ServedModels
 from cadence.server.config import ServerConfig, parse_lora_modules
@@ -62,8 +62,8 @@ class ServerState:
         self.options = options
         self.model_name = config.served_model_name or model_name_of(options.engine.model)
         self.metrics = PrometheusStatLogger(self.model_name)
-        self.llm = AsyncLLM(stat_logger=self.metrics,
-                            max_num_queued_requests=config.max_num_queued_requests)
+        self.llm = make_async_llm(options, stat_logger=self.metrics,
+                                  max_num_queued_requests=config.max_num_queued_requests)
         self.serving = OpenAIServing(self.llm, self.model_name, max_n=config.max_n,
                                      tool_call_parser=config.tool_call_parser)
         self.gate = RequestGate()
@@ -139,6 +139,9 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     async def health() -> Response:
         if not llm.is_alive:
             return error_response(503, "the engine process is not running")
+        replica_health = getattr(llm, "replica_health", None)
+        if replica_health is not None:  # data parallel: 200 while one replica serves
+            return JSONResponse({"replicas": replica_health()})
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -262,7 +265,13 @@ def banner(state: ServerState) -> str:
                        "max_tokens": 64})
     threads = state.options.engine.num_threads or "torch's default"
     auth = " -H 'Authorization: Bearer <your --api-key>'" if state.config.api_key else ""
-    return (f"cadence: engine core in process {state.llm.process.pid} ({threads} threads, "
+    replicas = getattr(state.llm, "replicas", None)
+    if replicas is not None:
+        where = (f"{len(replicas)} engine-core replicas ({state.llm.backend}: "
+                 f"{', '.join(str(replica.process.pid) for replica in replicas)})")
+    else:
+        where = f"engine core in process {state.llm.process.pid}"
+    return (f"cadence: {where} ({threads} threads, "
             f"max_model_len {state.llm.info.max_model_len})\n"
             f"cadence: serving {state.model_name} at {url}/v1 (OpenAI API; /health, /metrics)\n"
             f"  try: curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "

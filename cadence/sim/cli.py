@@ -13,6 +13,7 @@ module is cheap; the simulator, numpy, matplotlib and torch load on use.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -71,7 +72,27 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="charge the engine loop's measured seconds per step on the virtual clock "
                              "(the host's share: added to the model's time, or overlapped with it "
                              "under --async-scheduling)")
+    parser.add_argument("--kv-offload-size", type=float, default=None, metavar="GIB",
+                        help="a host-memory KV tier of this many GiB (and swap preemption, see "
+                             "--preemption-mode), its copies charged at --copy-link's bandwidth")
+    parser.add_argument("--copy-link", default="pcie", choices=("pcie", "nvlink"),
+                        help="the tier's link: pcie (32 GB/s) or nvlink (NVLink-C2C, 450 GB/s)")
     parser.add_argument("--out", metavar="DIR", help=f"write {SUMMARY_FILE} and PNG plots here")
+    _add_data_parallel_options(parser)
+
+
+def _add_data_parallel_options(parser: argparse.ArgumentParser) -> None:
+    from cadence.config import RouterConfig
+    from cadence.config_cli import add_config_options
+
+    add_config_options(parser, (RouterConfig,))  # --dp-load-margin-tokens
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="engine-core replicas behind one router, each with the scheduler "
+                             "and cache options above (default: 1)")
+    # Replaces RouterConfig's generated --dp-routing: here it takes a list.
+    parser.add_argument("--dp-routing", dest="dp_routings", default="cache_aware",
+                        help="with --data-parallel-size > 1: routing policies to compare, comma "
+                             "separated: round_robin, least_loaded, cache_aware (default: cache_aware)")
 
 
 def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +131,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if any(own.values()) and policy not in policies:
             name = next(name for name, value in own.items() if value)
             raise ValueError(f"{name}: applies to policy {policy} only, which --policy does not run")
+    if args.kv_offload_size is not None:
+        kwargs["kv_offload_size"] = args.kv_offload_size
     options = EngineOptions.from_kwargs(**kwargs)
+    kv_tier = None
+    if options.kv_transfer is not None:
+        from cadence.sim.kv_tier import SimKVTier
+
+        kv_tier = SimKVTier(options.kv_transfer.kv_offload_size, args.copy_link, options.preemption_mode)
     policy_options = {policy: {k: v for k, v in own.items() if v is not None}
                       for policy, own in per_policy.items()}
     if options.cache.enable_kv_cache_events:
@@ -126,12 +154,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save_trace:
         write_trace(args.save_trace, specs)
     cost_model = make_cost_model(args.cost_model, args.model_config)
-    results = compare_policies(specs, policies, options.scheduler, options.cache, cost_model,
-                               policy_options=policy_options, charge_host_time=args.charge_host_time)
+    if args.data_parallel_size < 1:
+        raise ValueError("data_parallel_size: must be >= 1")
+    if args.data_parallel_size > 1:
+        if kv_tier is not None:
+            raise ValueError("kv_offload_size: not supported yet with --data-parallel-size > 1 "
+                             "in the simulator")
+        results, per_replica = _simulate_replicas(args, specs, policies, options, cost_model,
+                                                  policy_options)
+    else:
+        results, per_replica = compare_policies(
+            specs, policies, options.scheduler, options.cache, cost_model,
+            policy_options=policy_options, charge_host_time=args.charge_host_time,
+            kv_tier=kv_tier), {}
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     # Jain's index weighs each client's service by its fair share, for every policy alike.
     weights = _client_index_weights(policy_options["fair"].get("fair_client_weights"))
     summaries = {policy: result.summary(slo, weights) for policy, result in results.items()}
+    for label, counts in per_replica.items():
+        summaries[label]["requests_per_replica"] = counts
     print(format_table(summaries))
     if args.out:
         from cadence.sim.plots import write_plots
@@ -142,6 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "workload": workload,
             "cost_model": cost_model.describe(),
             "scheduler": vars_of(options.scheduler),
+            "data_parallel_size": args.data_parallel_size,
             "cache": vars_of(_cache_of(cost_model, options.cache)),
             "policies": summaries,
         }
@@ -149,6 +191,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         paths = write_plots({p: r.recorder for p, r in results.items()}, out)
         print(f"wrote {out / SUMMARY_FILE}, " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
+
+
+def _simulate_replicas(args: argparse.Namespace, specs: list, policies: list[str], options: Any,
+                       cost_model: Any, policy_options: dict[str, dict[str, Any]],
+                       ) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """``--data-parallel-size N``: each routing policy on N replicas (one scheduling policy)."""
+    from cadence.config import RouterConfig
+    from cadence.config_cli import options_of
+    from cadence.sim.replicas import compare_routing
+
+    if len(policies) != 1:
+        raise ValueError("policy: with data_parallel_size > 1 the runs compare routing "
+                         "policies; give one scheduling policy")
+    margin = RouterConfig(**options_of(args, (RouterConfig,))).dp_load_margin_tokens
+    routings = [r.strip() for r in args.dp_routings.split(",") if r.strip()]
+    for routing in routings:  # each refused as the server refuses it
+        RouterConfig(dp_routing=routing)
+    scheduler = dataclasses.replace(options.scheduler, policy=policies[0],
+                                    **policy_options.get(policies[0], {}))
+    runs = compare_routing(specs, routings, args.data_parallel_size, scheduler, options.cache,
+                           cost_model, load_margin_tokens=margin,
+                           charge_host_time=args.charge_host_time)
+    return ({label: run for label, (run, _) in runs.items()},
+            {label: counts for label, (_, counts) in runs.items()})
 
 
 def _cache_of(cost_model: Any, cache: Any) -> Any:

@@ -97,7 +97,8 @@ def test_the_victim_is_from_the_most_served_client():
 def test_a_step_that_admits_an_under_served_client_carries_no_other_prompt():
     """B (active, less served) sends while A's long prompts prefill: the next step is
     B's prompt and the running decodes only, so its first token comes after a short step."""
-    s = new_scheduler(policy="fair", max_num_batched_tokens=64, num_gpu_blocks=256)
+    s = new_scheduler(policy="fair", max_num_batched_tokens=64, num_gpu_blocks=256,
+                      fair_short_step_tokens=64)  # no short steps: the favoured step alone
     runner = FakeRunner(block_size=s.block_size)
     s.add_request(tenant_request("b-chat", "B", prompt=4, max_tokens=40))
     for i in range(3):
@@ -112,6 +113,59 @@ def test_a_step_that_admits_an_under_served_client_carries_no_other_prompt():
     assert so.num_scheduled_tokens["b0"] == 1 and sum(so.num_scheduled_tokens.values()) == 64
     run_until_done(s, runner)
     assert all_blocks_free(s)
+
+
+def test_the_short_step_holds_back_more_served_clients_still_waiting():
+    """No prompt of A is running, but A's requests wait behind B's: the step that
+    admits B carries no A prompt either (before, A's waiting prompts filled it)."""
+    s = new_scheduler(policy="fair", max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks=256)
+    runner = FakeRunner(block_size=s.block_size)
+    s.add_request(tenant_request("b-chat", "B", prompt=4, max_tokens=60))
+    for i in range(2):
+        s.add_request(tenant_request(f"a-run{i}", "A", prompt=30, max_tokens=60))
+    for _ in range(4):
+        step(s, runner)  # every prompt computed: A's two and B's one decode
+    for i in range(3):
+        s.add_request(tenant_request(f"a{i}", "A", prompt=100, max_tokens=2))
+    s.add_request(tenant_request("b0", "B", prompt=8, max_tokens=2))
+    assert s.policy.counters.get("B") < s.policy.counters.get("A")
+    so, _ = step(s, runner)
+    assert so.num_scheduled_tokens == {"b-chat": 1, "a-run0": 1, "a-run1": 1, "b0": 8}
+    so, _ = step(s, runner)
+    assert any(req_id.startswith("a") and n > 1 for req_id, n in so.num_scheduled_tokens.items())
+    run_until_done(s, runner)
+    assert all_blocks_free(s)
+
+
+def test_steps_are_short_while_a_less_served_client_is_active():
+    """B decodes while A's prompts prefill: A's steps take 3/8 of the budget, so B's next
+    request waits for a short step. Once B is done, A's steps take the whole budget."""
+    s = new_scheduler(policy="fair", max_num_batched_tokens=64, num_gpu_blocks=512)
+    runner = FakeRunner(block_size=s.block_size)
+    assert s.policy.short_step_tokens == 24  # 3/8 of the budget
+    s.add_request(tenant_request("b-chat", "B", prompt=4, max_tokens=6))
+    for i in range(4):
+        s.add_request(tenant_request(f"a{i}", "A", prompt=200, max_tokens=2))
+    totals = []
+    while s.has_requests():
+        so, _ = step(s, runner)
+        b_active = "b-chat" in s.requests
+        totals.append((so.total_num_scheduled_tokens, b_active))
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+    while_b = [total for total, active in totals[1:] if active]
+    after_b = [total for total, active in totals if not active]
+    assert while_b and max(while_b) <= 24
+    assert max(after_b) == 64
+    assert all_blocks_free(s)
+
+
+def test_short_step_option_is_checked():
+    with pytest.raises(ValueError, match="fair_short_step_tokens"):
+        SchedulerConfig(policy="fcfs", fair_short_step_tokens=16)
+    with pytest.raises(ValueError, match="fair_short_step_tokens"):
+        SchedulerConfig(policy="fair", max_num_batched_tokens=64, fair_short_step_tokens=65)
+    s = new_scheduler(policy="fair", max_num_batched_tokens=64, fair_short_step_tokens=64)
+    assert s.policy.short_step_tokens is None  # the whole budget: no short steps
 
 
 def test_idle_counters_stay_bounded(monkeypatch):

@@ -134,6 +134,36 @@ def test_cpu_loras_evicted_least_recently_used_and_reloaded(folders):
     assert sorted(core.list_loras()) == [2, 3]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_adapter_that_cannot_be_reloaded_fails_its_request_only(folders, tmp_path, async_scheduling):
+    """An unloaded adapter whose files are gone: its request ends with the
+    reason, its blocks go back, the others in the batch run to the end."""
+    import shutil
+    doomed = tmp_path / "doomed"
+    shutil.copytree(folders / "a1", doomed)
+    core = make_core(folders / "base", enable_lora=True, max_loras=2, max_cpu_loras=2,
+                     async_scheduling=async_scheduling)
+    assert core.add_lora(LoRARequest("doomed", 1, str(doomed)))
+    assert core.add_lora(lora(folders, 2)) and core.add_lora(lora(folders, 3))  # 1 unloaded
+    shutil.rmtree(doomed)
+    free_before = core.scheduler.kv_cache_manager.num_free_blocks
+    tokens = {}
+    core.add_request(Request("bad", PROMPTS[0], GREEDY, lora_request=LoRARequest("doomed", 1, str(doomed))))
+    core.add_request(Request("good", PROMPTS[2], GREEDY, lora_request=lora(folders, 2)))
+    errors = {}
+    while core.has_work():
+        for outputs in core.step().values():
+            for out in outputs.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        errors.update(core.take_request_errors())
+    assert list(errors) == ["bad"]
+    assert "lora_request: adapter 'doomed' was unloaded and cannot be loaded again" in errors["bad"]
+    assert "bad" not in tokens
+    assert tokens["good"] == expected_tokens(folders, PROMPTS[2], 2)
+    assert core.scheduler.kv_cache_manager.num_free_blocks == free_before
+    assert not core.scheduler.has_unfinished_requests()
+
+
 def test_unload_waits_for_the_requests_using_it(folders):
     core = make_core(folders / "base", enable_lora=True, max_loras=2)
     core.add_request(Request("r", PROMPTS[0], GREEDY, lora_request=lora(folders, 1)))

@@ -12,7 +12,9 @@ import re
 import signal
 import socket
 import subprocess
+import json
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,10 +80,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, extra_args: list[str], log_dir: Path) -> Server:
+def start_server(name: str, extra_args: list[str], log_dir: Path,
+                 env: dict[str, str] | None = None) -> Server:
+    """``env``: variables set for the server beside this process's."""
     port = free_port()
     log_path = log_dir / f"server-{name}-{port}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
+               **(env or {}))
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "cadence.server", "serve", "--port", str(port), *BASE_ARGS,
@@ -116,6 +121,42 @@ def stop_server(server: Server) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class RawStream:
+    """A streamed /v1/completions read line by line in a thread (the ``openai``
+    client hides ``[DONE]`` and stops at an error event)."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, args=(server, body))
+        self._thread.start()
+
+    def _read(self, server: Server, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=120,
+                              json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+        except BaseException as err:  # noqa: BLE001 - asserted on by the test
+            self.error = err
+
+    def started(self) -> bool:
+        return bool(self.events)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the stream did not end"
+        assert self.error is None, repr(self.error)
+
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for e in self.events[:-1] for c in json.loads(e).get("choices", [])
+                if c.get("finish_reason")]
+
+    def errors(self) -> list[dict]:
+        return [json.loads(e)["error"] for e in self.events[:-1] if "error" in json.loads(e)]
 
 
 def wait_until(condition, timeout_s: float = 60.0, interval_s: float = 0.25) -> bool:

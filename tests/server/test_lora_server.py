@@ -122,3 +122,20 @@ def test_without_the_flag_there_are_no_adapter_endpoints(make_server):
     assert post(plain, "/v1/unload_lora_adapter", {"lora_name": "x"}).status_code == 404
     refused = post(plain, "/v1/completions", {"model": "a1", "prompt": PROMPT, "max_tokens": 2})
     assert refused.status_code == 404  # no adapter of that name here
+
+
+def test_adapter_whose_files_are_gone_fails_its_request_only(make_server, adapters, tmp_path):
+    """Unloaded for capacity, then its folder deleted: a request for it gets an
+    error naming the adapter, and the server goes on serving."""
+    import shutil
+    shutil.copytree(adapters / "a3", tmp_path / "gone")
+    one = make_server("lora-one", ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
+                                   "--lora-modules", f"gone={tmp_path / 'gone'}", f"a1={adapters / 'a1'}"])
+    client = openai.OpenAI(base_url=f"{one.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for model in ("gone", "a1"):  # a1's load unloads gone (room for one)
+        assert client.completions.create(model=model, prompt=PROMPT, **GREEDY).model == model
+    shutil.rmtree(tmp_path / "gone")
+    response = post(one, "/v1/completions", {"model": "gone", "prompt": PROMPT, "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert "adapter 'gone' was unloaded and cannot be loaded again" in response.json()["error"]["message"]
+    assert client.completions.create(model="a1", prompt=PROMPT, **GREEDY).choices[0].text

@@ -7,7 +7,6 @@ supervisor restarts it. Each test stops its own server."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -17,48 +16,12 @@ import httpx
 
 from cadence.core.outputs import SchedulerStats
 from cadence.engine.async_llm import AsyncLLM
-from tests.server.serverlib import Server, wait_until
+from tests.server.serverlib import RawStream, Server, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 SHUTDOWN_TIMEOUT_S = 5
 LONG = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "temperature": 0,
         "ignore_eos": True}
-
-
-class RawStream:
-    """A streamed /v1/completions read line by line in a thread (the ``openai``
-    client hides ``[DONE]`` and stops at an error event)."""
-
-    def __init__(self, server: Server, body: dict) -> None:
-        self.events: list[str] = []
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._read, args=(server, body))
-        self._thread.start()
-
-    def _read(self, server: Server, body: dict) -> None:
-        try:
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=120,
-                              json={**body, "stream": True}) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[len("data: "):])
-        except BaseException as err:  # noqa: BLE001 - asserted on by the test
-            self.error = err
-
-    def started(self) -> bool:
-        return bool(self.events)
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the stream did not end"
-        assert self.error is None, repr(self.error)
-
-    def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for e in self.events[:-1] for c in json.loads(e).get("choices", [])
-                if c.get("finish_reason")]
-
-    def errors(self) -> list[dict]:
-        return [json.loads(e)["error"] for e in self.events[:-1] if "error" in json.loads(e)]
 
 
 def test_sigterm_drains_then_ends_what_is_left_with_errors(make_server):

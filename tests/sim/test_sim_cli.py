@@ -89,6 +89,22 @@ def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):
     assert fair["1"]["ttft_p90_s"] < fcfs["1"]["ttft_p90_s"] / 5
     assert (out / "ttft_cdf_per_client.png").read_bytes()[:4] == b"\x89PNG"
     assert fair["1"]["num_requests"] == fcfs["1"]["num_requests"]
+    throughput = {p: policies[p]["throughput"]["output_tokens_per_s"] for p in ("fcfs", "fair")}
+    assert throughput["fair"] >= 0.95 * throughput["fcfs"]
+
+
+def test_fair_short_steps_cut_the_light_clients_wait(tmp_path):
+    """The same trace with short steps off (the whole budget) and on (the default)."""
+    light_p90 = {}
+    for short in ("2048", None):
+        out = tmp_path / f"short-{short}"
+        flags = [] if short is None else ["--fair-short-step-tokens", short]
+        args = parse(["simulate", "--policy", "fair", "--num-requests", "600", "--rate", "90",
+                      "--client-shares", "10,1", "--seed", "1", "--out", str(out), *flags])
+        assert args.func(args) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        light_p90[short] = summary["policies"]["fair"]["per_client"]["1"]["ttft_p90_s"]
+    assert light_p90[None] < 0.9 * light_p90["2048"]
 
 
 def test_weighted_shares_give_a_fair_jain_index(tmp_path, capsys):
@@ -115,3 +131,28 @@ def test_slo_policy_raises_goodput_of_interactive_requests(tmp_path):
     policies = json.loads((out / "summary.json").read_text())["policies"]
     met = {p: policies[p]["per_class"]["interactive"]["slo_fraction"] for p in ("fcfs", "slo")}
     assert met["slo"] >= 0.9 and met["slo"] >= 1.5 * met["fcfs"]
+
+
+def test_data_parallel_runs_compare_routing_policies(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = parse(["simulate", "--data-parallel-size", "3", "--dp-routing", "round_robin,cache_aware",
+                  "--num-requests", "90", "--rate", "60", "--prefix-groups", "6",
+                  "--prefix-fraction", "1", "--prefix-tokens", "128", "--out", str(out)])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "round_robin" in table and "cache_aware" in table and "prefix hit rate" in table
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 3
+    assert summary["policies"]["round_robin"]["requests_per_replica"] == [30, 30, 30]
+    assert sum(summary["policies"]["cache_aware"]["requests_per_replica"]) == 90
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--dp-routing", "random"], "dp_routing"),
+    (["--policy", "fcfs,priority"], "policy"),
+    (["--dp-load-margin-tokens", "-1"], "dp_load_margin_tokens"),
+])
+def test_data_parallel_options_are_checked(flags, field):
+    args = parse(["simulate", "--data-parallel-size", "2", "--num-requests", "4", *flags])
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        args.func(args)

@@ -19,6 +19,12 @@ service while another waits. Three rules keep that honest:
   smallest active one grows large;
 - **preemption**: when blocks run out, the victim is the running request of
   the client with the largest counter (its latest arrival).
+
+Counters decide who goes first; two step shapes keep a less-served client's
+first token quick once it is admitted (``FairPolicy.begin_step``): the step
+that admits it carries no other client's prompt, and while it is active the
+steps that serve only more-served clients' prompts are short, since its next
+request will wait for the step in flight.
 """
 
 from __future__ import annotations
@@ -189,10 +195,18 @@ class FairPolicy:
         self.counters = ServiceCounters(input_weight, output_weight, client_weights)
         self._queue: FairQueue | None = None
         self._favoured: tuple[str | None, float] | None = None  # see begin_step
+        self._short = False  # see begin_step
+        self.short_step_tokens: int | None = None  # None: no short steps
 
     def configure(self, config) -> None:
-        """Client weights from ``SchedulerConfig.fair_client_weights``."""
+        """Client weights and the short-step budget from the ``SchedulerConfig``."""
         self.counters.client_weights = parse_client_weights(config.fair_client_weights)
+        short = config.fair_short_step_tokens
+        if short is None:
+            # 3/8: measured on the H100 roofline and the CPU profile (BENCHMARKS.md,
+            # fair-shares-v1); shorter costs throughput where steps have a high fixed cost.
+            short = max(1, config.max_num_batched_tokens * 3 // 8)
+        self.short_step_tokens = short if short < config.max_num_batched_tokens else None
 
     def make_queue(self) -> FairQueue:
         self._queue = FairQueue(self.counters)
@@ -215,16 +229,38 @@ class FairPolicy:
         return min(candidates, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
 
     def begin_step(self, running: list[Request]) -> None:
-        """Pick the client this step favours: the front of the queue, when some
-        running prompt belongs to a more-served client (else none)."""
+        """Decide the kind of this step.
+
+        - *Favoured*: when a more-served client has a prompt running or a
+          request waiting, the step favours the front of the queue (see
+          ``defers_prefill``): its prompt beside the running decodes only.
+        - *Short*: otherwise, when the step serves prompts of clients more
+          served than some active client (one with a request running), it gets
+          ``short_step_tokens``: that client's next request arrives during a
+          step, and waits for it to end.
+        """
         self._favoured = None
-        if self._queue is None or not self._queue:
-            return
-        front = self._queue._front_client()
+        self._short = False
         get = self.counters.get
-        floor = get(front)
-        if any(is_prefilling(r) and get(r.tenant) > floor for r in running):
-            self._favoured = (front, floor)
+        prompt_counters = [get(r.tenant) for r in running if is_prefilling(r)]
+        queue = self._queue
+        if queue:
+            front = queue._front_client()
+            floor = get(front)
+            if (any(counter > floor for counter in prompt_counters)
+                    or any(get(client) > floor for client in queue._by_client)):
+                self._favoured = (front, floor)
+                return
+            prompt_counters.append(floor)
+        if prompt_counters and self.short_step_tokens is not None:
+            least_served_prompt = min(prompt_counters)
+            self._short = any(get(client) < least_served_prompt for client in self.counters.active)
+
+    def step_budget(self, budget: int) -> int:
+        """This step's token budget (after ``begin_step``)."""
+        if self._short:
+            return min(budget, self.short_step_tokens)
+        return budget
 
     def defers_prefill(self, request: Request) -> bool:
         """Whether ``request``'s prompt (running chunk or admission) waits this step.

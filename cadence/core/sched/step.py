@@ -27,11 +27,12 @@ class StepPlan:
         "token_budget", "num_scheduled_tokens", "new_block_ids", "running", "new", "resumed",
         "preempted", "spec_tokens", "encoder_inputs", "encoder_budget", "kv_read_budget",
         "sliding_window", "_loras", "_tracks_extras", "_structured", "_disable_chunked_mm_input",
-        "prefill_caps",
+        "prefill_caps", "token_limit",
     )
 
     def __init__(self, token_budget: int, config: "SchedulerConfig") -> None:
         self.token_budget = token_budget
+        self.token_limit = token_budget  # the step's whole budget (token_budget: what is left)
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_block_ids: dict[str, list[int]] = {}
         self.running: list[Request] = []  # already running, scheduled again
