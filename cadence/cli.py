@@ -5,6 +5,7 @@ so each option's default and help text live in ``cadence.config`` only.
     cadence generate "Why is the sky blue?"          # the embedded default model
     cadence generate --dtype float32 --max-tokens 64 "Hello"
     cadence demo                                      # scheduler benchmark, small
+    cadence proxy --prefill URL --decode URL          # prefill/decode disaggregation
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import sys
 
 from cadence.config_cli import add_config_options, options_of
-from cadence.server.cli import add_bench_serve_parser, add_serve_parser
+from cadence.server.cli import add_bench_serve_parser, add_proxy_parser, add_serve_parser
 from cadence.sim.cli import add_simulate_parser
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
     add_serve_parser(sub)
+    add_proxy_parser(sub)
     add_simulate_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))

@@ -31,6 +31,9 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler may put into one step."""
@@ -112,6 +115,12 @@ class SchedulerConfig:
         None, "Attention window (default: the model's own): each token attends to the last "
               "this many; caps what one request reads from the KV cache."
     )
+    preemption_mode: str | None = option(
+        None, "What a preempted request's KV becomes: recompute (freed, computed again), swap "
+              "(copied to the host-memory tier and back; needs --kv-offload-size) or auto (per "
+              "victim, whichever the cost model predicts cheaper). Default: auto with a tier, "
+              "recompute without."
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -144,6 +153,9 @@ class SchedulerConfig:
             _require(self.policy == "fair", "fair_short_step_tokens", "applies to policy fair only")
             _require(1 <= self.fair_short_step_tokens <= self.max_num_batched_tokens,
                      "fair_short_step_tokens", "must be between 1 and max_num_batched_tokens")
+        if self.preemption_mode is not None:
+            _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                     f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         _require(
             self.policy in SCHEDULING_POLICIES,
             "policy",
@@ -329,7 +341,94 @@ class RouterConfig:
         _require(self.dp_load_margin_tokens >= 0, "dp_load_margin_tokens", "must be >= 0")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV transfer through a connector (vLLM's names): a host-memory tier, swap
+    preemption, prefill/decode disaggregation. ``--kv-transfer-config`` takes
+    all of it as one JSON object, as vLLM's flag does."""
+
+    kv_connector: str | None = option(
+        None, "Registered connector name (e.g. OffloadingConnector); none: no KV transfer.")
+    kv_role: str | None = option(
+        None, "What this engine does with KV: kv_producer, kv_consumer or kv_both "
+              "(default kv_both when a connector is named).")
+    kv_connector_extra_config: dict | None = option(
+        None, "The connector's own options, a JSON object.")
+    kv_offload_size: float | None = option(
+        None, "GiB of host memory for a second KV tier (OffloadingConnector): full blocks "
+              "are copied there and found again when the prefix cache lost them.")
+
+    def __post_init__(self) -> None:
+        if self.kv_offload_size is not None:
+            _require(self.kv_offload_size > 0, "kv_offload_size", "must be > 0 GiB")
+            _require(self.kv_connector in (None, OFFLOADING_CONNECTOR), "kv_offload_size",
+                     f"sizes the {OFFLOADING_CONNECTOR}'s tier, not {self.kv_connector!r}")
+            if self.kv_connector is None:
+                object.__setattr__(self, "kv_connector", OFFLOADING_CONNECTOR)
+        if self.kv_connector is not None:
+            _require(isinstance(self.kv_connector, str) and self.kv_connector != "",
+                     "kv_connector", "must be a registered connector name")
+            if self.kv_role is None:
+                object.__setattr__(self, "kv_role", "kv_both")
+        if self.kv_role is not None:
+            _require(self.kv_role in KV_ROLES, "kv_role",
+                     f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+            _require(self.kv_connector is not None, "kv_role", "needs a kv_connector")
+        extra = self.kv_connector_extra_config
+        if extra is not None:
+            _require(isinstance(extra, dict), "kv_connector_extra_config", "must be a JSON object")
+            _require(self.kv_connector is not None, "kv_connector_extra_config", "needs a kv_connector")
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        """One of the connector's own options."""
+        return (self.kv_connector_extra_config or {}).get(name, default)
+
+
+def kv_transfer_config_of(options: dict[str, Any], whole: Any = None) -> KVTransferConfig | None:
+    """The KV transfer options given (flat ones and/or ``whole``: a JSON object,
+    a dict or a ``KVTransferConfig``), or None when no connector is asked for."""
+    if whole is not None:
+        if isinstance(whole, KVTransferConfig):
+            whole = {f.name: getattr(whole, f.name) for f in dataclasses.fields(whole)}
+        elif isinstance(whole, str):
+            whole = parse_json_object(whole, "kv_transfer_config")
+        if not isinstance(whole, dict):
+            raise ValueError("kv_transfer_config: must be a JSON object")
+        unknown = sorted(set(whole) - field_names(KVTransferConfig))
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown field {unknown[0]!r}")
+        clash = sorted(set(whole) & set(options))
+        if clash:
+            raise ValueError(f"{clash[0]}: given both on its own and in kv_transfer_config")
+        options = {**whole, **options}
+    options = {name: value for name, value in options.items() if value is not None}
+    if not options:
+        return None
+    config = KVTransferConfig(**options)
+    if config.kv_connector is None:
+        raise ValueError(f"{sorted(options)[0]}: needs a kv_connector (or kv_offload_size)")
+    return config
+
+
+def parse_json_object(text: str, name: str) -> dict:
+    """A JSON object from the command line; ValueError naming the option."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{name}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object")
+    return value
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "gguf", "none")  # as cadence.models.quantized.QUANTIZATION_MODES
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
 
@@ -344,6 +443,13 @@ class EngineConfig:
         "auto",
         "Weights and KV-cache dtype: auto (bfloat16 where the CPU computes it natively, "
         "float32 elsewhere; on a GPU the checkpoint's own), float32, bfloat16 or float16.",
+    )
+    quantization: str = option(
+        "auto",
+        "GGUF weights: auto (Q8_0, Q4_0, Q4_1 and Q4_K matmul weights stay in their blocks on the "
+        "CPU where the C kernel builds; other types, and every weight elsewhere, dequantized at "
+        "load), gguf (those types always kept, in PyTorch without the C kernel; other quantized "
+        "types refused), none (every weight dequantized to dtype at load).",
     )
     device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
     num_threads: int | None = option(None, "torch CPU threads (default: torch's choice).")
@@ -362,6 +468,8 @@ class EngineConfig:
                  f"must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                  f"got {self.structured_outputs_backend!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.quantization in QUANTIZATIONS, "quantization",
+                 f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                  "device", f"must be cpu, cuda[:N] or auto, got {self.device!r}")
         if self.num_threads is not None:
@@ -379,21 +487,39 @@ class EngineOptions:
     lora: LoRAConfig | None = None  # None: LoRA disabled
     parallel: ParallelConfig = ParallelConfig()
     router: RouterConfig = RouterConfig()
+    kv_transfer: KVTransferConfig | None = None  # None: no KV connector
 
     def __post_init__(self) -> None:
         refuse_undelivered(self.scheduler, self.speculative)
+        mode = self.scheduler.preemption_mode
+        if mode not in (None, "recompute") and (
+                self.kv_transfer is None or self.kv_transfer.kv_connector != OFFLOADING_CONNECTOR):
+            raise ValueError(f"preemption_mode: {mode} needs the host-memory tier "
+                             f"(--kv-offload-size GiB, the {OFFLOADING_CONNECTOR})")
+
+    @property
+    def preemption_mode(self) -> str:
+        """The preemption mode made concrete: auto with a tier, recompute without."""
+        mode = self.scheduler.preemption_mode
+        if mode is not None:
+            return mode
+        has_tier = self.kv_transfer is not None and self.kv_transfer.kv_connector == OFFLOADING_CONNECTOR
+        return "auto" if has_tier else "recompute"
 
     @classmethod
     def from_kwargs(cls, **options: Any) -> "EngineOptions":
         """Route flat keyword options (as ``LLM(...)`` or the CLI take them) to their class.
 
         ``num_speculative_tokens`` > 0 turns speculative decoding on;
-        ``enable_lora`` turns LoRA on (its other options are refused without it).
+        ``enable_lora`` turns LoRA on (its other options are refused without it);
+        ``kv_transfer_config`` (JSON, a dict or a ``KVTransferConfig``) or the
+        flat KV transfer options turn a KV connector on.
         """
         groups: dict[type, dict[str, Any]] = {
             EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {},
-            LoRAConfig: {}, ParallelConfig: {}, RouterConfig: {},
+            LoRAConfig: {}, ParallelConfig: {}, RouterConfig: {}, KVTransferConfig: {},
         }
+        whole_kv_transfer = options.pop("kv_transfer_config", None)
         for name, value in options.items():
             owner = next((c for c in groups if name in field_names(c)), None)
             if owner is None:
@@ -411,6 +537,7 @@ class EngineOptions:
             lora=lora_config_of(groups[LoRAConfig]),
             parallel=ParallelConfig(**groups[ParallelConfig]),
             router=RouterConfig(**groups[RouterConfig]),
+            kv_transfer=kv_transfer_config_of(groups[KVTransferConfig], whole_kv_transfer),
         )
 
 

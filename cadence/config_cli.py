@@ -17,12 +17,16 @@ import typing
 from typing import Any
 
 from cadence.config import (
-    CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, RouterConfig, SchedulerConfig,
-    SpeculativeConfig, field_names,
+    CacheConfig, EngineConfig, KVTransferConfig, LoRAConfig, ParallelConfig, RouterConfig,
+    SchedulerConfig, SpeculativeConfig, field_names, parse_json_object,
 )
 
-ENGINE_OPTION_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig, LoRAConfig,
-                         ParallelConfig, RouterConfig)
+ENGINE_OPTION_CLASSES = (
+    EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig, LoRAConfig, ParallelConfig,
+    RouterConfig, KVTransferConfig,
+)
+# Whole-object flags: one JSON value for every field of a class (vLLM's --kv-transfer-config).
+WHOLE_OBJECT_FLAGS = {KVTransferConfig: "kv_transfer_config"}
 
 
 def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:
@@ -37,17 +41,26 @@ def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CL
             if base is bool:
                 group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
+            elif base is dict:  # a JSON object
+                group.add_argument(flag, dest=field.name, type=_json_option(field.name),
+                                   default=argparse.SUPPRESS, metavar="JSON", help=help_text)
             elif base is tuple:  # tuple[str, ...]: one or more values, the flag repeatable
                 group.add_argument(flag, dest=field.name, nargs="+", action="extend", type=str,
                                    default=argparse.SUPPRESS, metavar="VALUE", help=help_text)
             else:
                 group.add_argument(flag, dest=field.name, type=base, default=argparse.SUPPRESS,
                                    metavar=base.__name__.upper(), help=help_text)
+        whole = WHOLE_OBJECT_FLAGS.get(cls)
+        if whole is not None:
+            group.add_argument("--" + whole.replace("_", "-"), dest=whole, type=_json_option(whole),
+                               default=argparse.SUPPRESS, metavar="JSON",
+                               help=f"All the {cls.__name__} fields as one JSON object.")
 
 
 def options_of(args: argparse.Namespace, classes=ENGINE_OPTION_CLASSES) -> dict[str, Any]:
     """The options given on the command line that belong to ``classes``."""
     names = set().union(*(field_names(cls) for cls in classes))
+    names.update(WHOLE_OBJECT_FLAGS[cls] for cls in classes if cls in WHOLE_OBJECT_FLAGS)
     return {name: value for name, value in vars(args).items() if name in names}
 
 
@@ -57,3 +70,14 @@ def _base_type(annotation: Any) -> type:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         return _base_type(args[0])
     return typing.get_origin(annotation) or annotation
+
+
+def _json_option(name: str):
+    """An argparse type reading a JSON object (its error names the option)."""
+    def parse(text: str) -> dict:
+        try:
+            return parse_json_object(text, name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    parse.__name__ = "JSON object"
+    return parse

@@ -51,6 +51,9 @@ class KVConnectorOutput:
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
+    # Blocks whose load failed or timed out: their contents cannot be trusted,
+    # the tokens they hold are computed again.
+    invalid_block_ids: set[int] | None = None
 
 
 @dataclass(slots=True)
@@ -154,9 +157,14 @@ class SchedulerStats(msgspec.Struct, gc=False):
     spec_decoding_stats: SpecDecodingStats | None = None
     num_corrupted_reqs: int = 0
     num_preemptions: int = 0  # in the step just scheduled
+    # Preemptions that swapped KV to a tier (not recomputed), since the last stats.
+    num_swapped_preemptions: int = 0
     step_counter: int = 0
     # Tokens served per client since start (policy fair), a bounded set of names.
     client_service: dict[str, int] | None = None
+    # Tokens looked up beyond the local prefix cache through a KV connector
+    # (e.g. the host-memory tier) and found there.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

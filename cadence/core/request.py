@@ -117,7 +117,7 @@ class Request:
         "stop_token_ids", "stops_on_eos", "num_output_placeholders", "num_preemptions",
         "block_hashes", "mm_positions", "mm_hashes", "structured_output_request",
         "events", "parent_request_id", "num_nans_in_logits", "fork_point",
-        "extra_hash_key", "tenant", "slo_ttft_s", "slo_tpot_s",
+        "extra_hash_key", "tenant", "slo_ttft_s", "slo_tpot_s", "kv_transfer_params",
     )
 
     def __init__(
@@ -191,6 +191,12 @@ class Request:
         # Parallel sampling (n > 1): number of prompt tokens computed before the
         # request forks into its children; None when it never forks.
         self.fork_point: int | None = None
+        # What a KV connector reads (and answers) about KV computed or used
+        # elsewhere, e.g. prefill/decode disaggregation; vLLM carries it in
+        # the sampling params' extra_args too.
+        extra_args = sampling_params.extra_args
+        self.kv_transfer_params: dict[str, Any] | None = (
+            extra_args.get("kv_transfer_params") if extra_args else None)
 
     # ---- token counts -------------------------------------------------
 

@@ -34,6 +34,7 @@ from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
 from cadence.core.request import LoRARequest, Request
 from cadence.engine.core_proc import start_engine_process
 from cadence.engine.inputs import make_request
+from cadence.engine.kv_connectors import kv_transfer_params_checker
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.engine.wire import (
@@ -241,6 +242,8 @@ class AsyncLLM:
         # Whether the engine may refuse a request after it was sent (--slo-reject).
         self.refuses_under_load = False
         self._grammars: GrammarBackendBase | None = None  # checks grammars before they are sent
+        # Checks a request's kv_transfer_params (None: the engine's connector reads none).
+        self._kv_transfer_check: Callable[[Any], None] | None = None  # see start
         # Sends go through a plain socket: a PUSH with no high-water mark never
         # blocks, so a handler or the output loop can send without awaiting.
         self._send_ctx = zmq.Context()
@@ -279,6 +282,7 @@ class AsyncLLM:
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
         self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
+        self._kv_transfer_check = kv_transfer_params_checker(options.kv_transfer)
         if scheduler.policy == "slo":
             self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
         process = self._spawn_engine(options, model_name)
@@ -363,7 +367,7 @@ class AsyncLLM:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, priority: int = 0, user: str | None = None,
         slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError (bad input), QueueFullError, EngineDeadError.
 
@@ -378,6 +382,8 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         check_priority(priority)
         self.check_structured_outputs(params)
+        if kv_transfer_params is not None:
+            params = self._with_kv_transfer_params(params, kv_transfer_params)
         request = make_request(request_id, prompt_token_ids, params, self.tokenizer,
                                self.info.max_model_len, priority=priority, user=user,
                                slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
@@ -399,6 +405,21 @@ class AsyncLLM:
         calls this in a worker thread first; ``add_request`` then hits the cache."""
         if params.structured_outputs is not None and self._grammars is not None:
             self._grammars.check(params.structured_outputs)
+
+    def _with_kv_transfer_params(self, params: SamplingParams, kv_transfer_params: Any
+                                 ) -> SamplingParams:
+        """``params`` carrying ``kv_transfer_params`` to the engine's KV connector
+        (vLLM's place for them: ``extra_args``); ValueError naming the field when
+        this engine's connector cannot act on them, or it has none."""
+        if self._kv_transfer_check is None:
+            raise ValueError("kv_transfer_params: this server has no KV connector that reads "
+                             "them (start it with --kv-transfer-config, e.g. "
+                             "'{\"kv_connector\": \"PDConnector\", \"kv_role\": \"kv_producer\"}')")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params: only with n=1")
+        self._kv_transfer_check(kv_transfer_params)
+        extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+        return params.replace(extra_args=extra_args)
 
     def check_can_ever_admit(self, num_seqs: int) -> None:
         """Refuse (ValueError, HTTP 400) what no wait would let in: more sequences

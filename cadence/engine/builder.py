@@ -14,14 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from cadence.config import EngineOptions, parse_memory
+from cadence.core.sched.kv_connector import KVConnectorContext
 from cadence.core.sched.scheduler import Scheduler
 from cadence.core.sched.structured_output import StructuredOutputManager
 from cadence.engine.core import EngineCore
+from cadence.engine.kv_connectors import make_kv_connector_scheduler, make_kv_connector_worker
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
+from cadence.models.quantized import describe as describe_quantized
 from cadence.models.tensor_parallel import check_tensor_parallel
 from cadence.models.tp_group import collective_backend
-from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype
+from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype, resolve_quantization
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -52,7 +55,13 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
     torch.manual_seed(engine_config.seed)
     device = resolve_device(engine_config.device)
     dtype = _resolve_dtype(engine_config, device)
-    model, tokenizer, model_config = load_model(engine_config.model, dtype)
+    quantization, note = resolve_quantization(engine_config.quantization, device)
+    if options.parallel.tensor_parallel_size > 1 and quantization != "none":
+        quantization, note = _dense_for_tensor_parallel(engine_config.quantization,
+                                                        options.parallel.tensor_parallel_size)
+    if note is not None:
+        print(f"cadence: {note}", file=log)
+    model, tokenizer, model_config = load_model(engine_config.model, dtype, quantization)
     model.to(device)
     return assemble_engine(options, model, model_config, tokenizer, log=log)
 
@@ -74,7 +83,7 @@ def assemble_engine(
     engine_config = options.engine
     device = next(model.parameters()).device
     dtype = model.dtype
-    check_tensor_parallel_options(options, model_config, device)
+    check_tensor_parallel_options(options, model, model_config, device)
     max_model_len = min(options.scheduler.max_model_len, model_config.max_position_embeddings)
     scheduler_config = dataclasses.replace(options.scheduler, max_model_len=max_model_len)
     if model_config.sliding_window and scheduler_config.sliding_window is None:
@@ -107,9 +116,19 @@ def assemble_engine(
     if tokenizer is not None:
         grammar_backend = make_grammar_backend(
             engine_config.structured_outputs_backend, tokenizer, model_config.vocab_size)
+    connector_context = None
+    if options.kv_transfer is not None:
+        connector_context = KVConnectorContext(
+            block_size=cache_config.block_size, num_blocks=num_blocks, bytes_per_block=block_bytes,
+            kv_role=options.kv_transfer.kv_role or "kv_both",
+            seconds_per_token=estimated_seconds_per_token(model, device),
+            copy_bytes_per_second=_ESTIMATED_COPY_BYTES_PER_SECOND.get(device.type, 1e10),
+            preemption_mode=options.preemption_mode)
     scheduler = Scheduler(
         scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True,
         lora_config=options.lora,
+        kv_connector=(make_kv_connector_scheduler(options.kv_transfer, connector_context)
+                      if connector_context is not None else None),
         structured_output_manager=(StructuredOutputManager(grammar_backend)
                                    if grammar_backend is not None else None),
     )
@@ -121,8 +140,16 @@ def assemble_engine(
             sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
         )
         runner = _cpu_runner(options, model, model_config, runner_args, log)
+    if connector_context is not None:
+        runner.attach_kv_connector(make_kv_connector_worker(options.kv_transfer, connector_context))
+        print(f"cadence: KV connector {options.kv_transfer.kv_connector} "
+              f"({connector_context.kv_role}, preemption by {options.preemption_mode})", file=log)
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
+    kept = model.quantized_weights() if hasattr(model, "quantized_weights") else []
+    if kept:
+        reason = runner.cpu_paths.quant_reason if runner.cpu_paths is not None else "PyTorch"
+        print(f"cadence: weights kept quantized: {describe_quantized(kept)}; {reason}", file=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
     engine_config = dataclasses.replace(engine_config, dtype=str(dtype).removeprefix("torch."))
     options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,
@@ -152,8 +179,8 @@ def _cpu_runner(options, model, model_config, runner_args, log):
     return runner
 
 
-def check_tensor_parallel_options(options: EngineOptions, model_config: ModelConfig,
-                                  device: torch.device) -> None:
+def check_tensor_parallel_options(options: EngineOptions, model: torch.nn.Module,
+                                  model_config: ModelConfig, device: torch.device) -> None:
     """ValueError naming the option when ``tensor_parallel_size`` > 1 cannot run with the others."""
     parallel = options.parallel
     size = parallel.tensor_parallel_size
@@ -169,7 +196,22 @@ def check_tensor_parallel_options(options: EngineOptions, model_config: ModelCon
     if options.lora is not None:
         raise ValueError(f"enable_lora: LoRA adapters are not split over ranks; "
                          f"serve them with tensor_parallel_size 1 (got {size})")
+    if options.kv_transfer is not None:
+        raise ValueError(f"kv_transfer_config: a KV connector (kv_offload_size too) moves one "
+                         f"process's cache; with tensor_parallel_size {size} each rank holds "
+                         f"part of every block's heads")
+    if hasattr(model, "quantized_weights") and model.quantized_weights():
+        raise ValueError(f"quantization: weights kept quantized are not split over ranks; "
+                         f"load them dense (quantization none) for tensor_parallel_size {size}")
     check_tensor_parallel(model_config, size)
+
+
+def _dense_for_tensor_parallel(option: str, size: int) -> tuple[str, str]:
+    """The loader's mode when ranks split the weights: dense (auto), or refused (gguf)."""
+    if option == "gguf":
+        raise ValueError(f"quantization: gguf keeps weights quantized, which tensor_parallel_size "
+                         f"{size} does not split; use auto or none")
+    return "none", f"quantization auto: GGUF weights dequantized at load (tensor_parallel_size {size})"
 
 
 def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, log):
@@ -218,6 +260,19 @@ def _gpu_runner(options, model, model_config, dtype, device, scheduler_config, l
         print(f"cadence: CUDA graphs captured for decode batches of {sizes[0]}..{sizes[-1]} "
               f"({len(sizes)} sizes)", file=log)
     return runner, num_blocks
+
+
+# Rough sustained rates, for the connectors' cost models only (their
+# options override the estimate): matmul FLOP/s of a CPU and of a GPU.
+_ESTIMATED_FLOPS = {"cpu": 5e10, "cuda": 3e14}
+# Bytes per second of a KV copy to host memory: memcpy in RAM; PCIe to pinned memory.
+_ESTIMATED_COPY_BYTES_PER_SECOND = {"cpu": 1e10, "cuda": 2.5e10}
+
+
+def estimated_seconds_per_token(model: torch.nn.Module, device: torch.device) -> float:
+    """Seconds to compute one token's KV: two FLOPs per weight at a rough rate."""
+    num_params = sum(p.numel() for p in model.parameters())
+    return 2 * num_params / _ESTIMATED_FLOPS.get(device.type, _ESTIMATED_FLOPS["cpu"])
 
 
 def _resolve_dtype(engine_config, device: torch.device) -> torch.dtype:

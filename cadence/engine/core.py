@@ -69,6 +69,9 @@ class EngineCore:
         self.runner = runner
         self.event_publisher = event_publisher
         self.num_steps = 0
+        # Steps in a row that computed nothing (e.g. only KV transfers to wait
+        # for): the engine process paces them instead of spinning.
+        self.num_idle_steps = 0
         self.async_scheduling = async_scheduling
         self._executor = executor
         if async_scheduling and executor is None:
@@ -82,11 +85,15 @@ class EngineCore:
         self._take_kv_events = getattr(scheduler, "take_kv_events", None)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one).
+        """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one,
+        or kv_transfer_params that no KV connector here reads).
 
         An adapter loaded once is not loaded again here: the runner loads it
         anew itself if it unloaded it meanwhile.
         """
+        if request.kv_transfer_params is not None and not getattr(
+                self.scheduler.get_kv_connector(), "reads_kv_transfer_params", False):
+            raise ValueError("kv_transfer_params: this engine has no KV connector that reads them")
         lora = request.lora_request
         if lora is not None and (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
             self.add_lora(lora)
@@ -153,7 +160,7 @@ class EngineCore:
                 runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         """Take a step's results; requests the runner could not serve end first,
         their reasons kept for ``take_request_errors``."""
-        self.num_steps += 1
+        self._count_step(scheduler_output)
         if runner_output.failed_requests:
             self.scheduler.finish_requests(list(runner_output.failed_requests),
                                            RequestStatus.FINISHED_ABORTED)
@@ -161,6 +168,11 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         return outputs
+
+    def _count_step(self, scheduler_output: SchedulerOutput) -> None:
+        self.num_steps += 1
+        idle = not scheduler_output.total_num_scheduled_tokens
+        self.num_idle_steps = self.num_idle_steps + 1 if idle else 0
 
     def take_request_errors(self) -> dict[str, str]:
         """Requests ended because the runner could not serve them: id -> why."""
@@ -181,9 +193,9 @@ class EngineCore:
                     future.cancel()
                 self._executor.shutdown(wait=True)
             self.scheduler.shutdown()
-            runner_shutdown = getattr(self.runner, "shutdown", None)
-            if runner_shutdown is not None:  # e.g. the tensor-parallel workers
-                runner_shutdown()
+            shutdown_runner = getattr(self.runner, "shutdown", None)
+            if shutdown_runner is not None:
+                shutdown_runner()
         finally:
             if self.event_publisher is not None:
                 self._publish_kv_events()

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -33,6 +34,10 @@ from cadence.core.sched.slo import SLOUnattainable
 from cadence.engine import wire
 
 _IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent lives
+# After a step that computed nothing (only KV transfers in flight), how long
+# to wait for input before stepping again, and how often such steps report stats.
+_IDLE_STEP_WAIT_MS = 5
+_IDLE_STATS_INTERVAL_S = 0.05
 
 
 def start_engine_process(
@@ -100,6 +105,7 @@ class EngineCoreProc:
         self.inputs = inputs
         self.outputs = outputs
         self.running = True
+        self._last_idle_stats = 0.0
         self._parent_pid = os.getppid()
         self._poller = zmq.Poller()
         self._poller.register(inputs, zmq.POLLIN)
@@ -125,14 +131,18 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while self.running:
-            self._receive(block=not self.core.has_work())
+            self._receive(block=not self.core.has_work(),
+                          wait_ms=_IDLE_STEP_WAIT_MS if self.core.num_idle_steps else 0)
             if self.running and self.core.has_work():
                 self._step()
 
-    def _receive(self, block: bool) -> None:
-        """Handle every queued message; first wait for one if ``block``."""
+    def _receive(self, block: bool, wait_ms: int = 0) -> None:
+        """Handle every queued message; first wait for one if ``block``, or up to
+        ``wait_ms``."""
         while block and self.running and not self._poller.poll(_IDLE_POLL_MS):
             self._check_parent()
+        if wait_ms and not block:
+            self._poller.poll(wait_ms)
         while self.running:
             try:
                 kind, payload = self.inputs.recv_multipart(zmq.NOBLOCK)
@@ -150,14 +160,23 @@ class EngineCoreProc:
             self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
         if not outputs:
             # No request produced anything (prefill chunks, or only frees after an
-            # abort): still send the stats, so gauges such as KV usage stay current.
-            outputs = {0: wire_stats(self.core.scheduler)}
+            # abort): still send the stats, so gauges such as KV usage stay current;
+            # while steps only wait for KV transfers, now and then, and at the end.
+            outputs = {} if self._skip_idle_stats() else {0: wire_stats(self.core.scheduler)}
         for engine_core_outputs in outputs.values():
             stats = engine_core_outputs.scheduler_stats
             if stats is not None and stats.prefix_cache_stats is None:
                 stats.prefix_cache_stats = PrefixCacheStats()
             self.outputs.send_multipart(wire.encode(wire.OUTPUTS, engine_core_outputs), copy=False)
         self._check_parent()
+
+    def _skip_idle_stats(self) -> bool:
+        now = time.monotonic()
+        if (self.core.num_idle_steps > 1 and self.core.has_work()
+                and now - self._last_idle_stats < _IDLE_STATS_INTERVAL_S):
+            return True
+        self._last_idle_stats = now
+        return False
 
     def _add(self, message: wire.EngineCoreRequest) -> None:
         try:

@@ -76,6 +76,9 @@ def check_dp_options(options: EngineOptions) -> None:
         raise ValueError("enable_kv_cache_events: not supported with data_parallel_size > 1 yet "
                          "(the front end subscribes to the replicas' events itself, for "
                          "--dp-routing cache_aware)")
+    if options.kv_transfer is not None:
+        raise ValueError("kv_transfer_config: a KV connector (host tier, P/D) is not supported "
+                         "with data_parallel_size > 1 or distributed_executor_backend ray yet")
 
 
 def local_replica_options(options: EngineOptions, rank: int) -> EngineOptions:

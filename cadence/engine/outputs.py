@@ -47,3 +47,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # A KV connector's answer for the client (prefill/decode disaggregation:
+    # where the prompt's KV waits to be pulled); set on the final output.
+    kv_transfer_params: dict | None = None

@@ -7,6 +7,8 @@
                           the paged KV cache
     fused_ops.py          ``fused_ops(march)`` -> the decoder layer's elementwise steps
                           (add + RMSNorm, rotary, SiLU-mul)
+    quant_matmul.py       ``quant_matmul(march)`` -> ``x @ W^T`` with W kept in GGUF blocks
+                          (Q8_0, Q4_0, Q4_1, Q4_K), and embedding rows decoded
 
 Which of them a model runs is decided in ``cadence.runner.cpu_paths`` from
 the CPU's probed features; nothing here assumes a CPU.

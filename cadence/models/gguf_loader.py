@@ -1,6 +1,7 @@
 """Load a Llama-family model from a GGUF file.
 
-Steps: decode the metadata -> ``ModelConfig`` -> for each tensor, dequantize,
+Steps: decode the metadata -> ``ModelConfig`` -> for each tensor, dequantize
+(or keep its blocks: ``quantization`` auto/gguf, see ``cadence.models.quantized``),
 rename to the Hugging Face name, undo llama.cpp's q/k row permutation ->
 ``LlamaForCausalLM.load_weights``.
 
@@ -38,6 +39,7 @@ from cadence.models.architectures import ARCHITECTURES
 from cadence.models.config import ModelConfig
 from cadence.models.dequant import to_torch
 from cadence.models.llama import LlamaForCausalLM
+from cadence.models.quantized import QuantizedTensor, keeps_quantized
 
 # GGUF tensor name -> HF name, for tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -100,12 +102,14 @@ def gguf_model_config(reader: GGUFReader, metadata: dict[str, Any]) -> ModelConf
     return config
 
 
-def load_gguf_model(reader: GGUFReader, metadata: dict[str, Any],
-                    dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model a GGUF describes, weights dequantized to ``dtype``."""
+def load_gguf_model(reader: GGUFReader, metadata: dict[str, Any], dtype: torch.dtype = torch.float32,
+                    quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model a GGUF describes, weights dequantized to ``dtype``, or, with
+    ``quantization`` auto or gguf, the matmul weights of a quantized kernel's type
+    kept in their blocks (``keeps_quantized`` says which; stacked experts are dequantized)."""
     config = gguf_model_config(reader, metadata)
     model = LlamaForCausalLM(config, dtype)
-    model.load_weights(_hf_named_tensors(reader, config, dtype))
+    model.load_weights(_hf_named_tensors(reader, config, dtype, quantization))
     return model.eval(), config
 
 
@@ -138,8 +142,8 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return by_pair.transpose(1, 2).reshape(rows, *rest)  # HF: row j*(D/2) + i
 
 
-def _hf_named_tensors(reader: GGUFReader, config: ModelConfig,
-                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_named_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
+                      quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(HF name, tensor) for every weight, permutation undone, one tensor at a time."""
     family = ARCHITECTURES[config.architecture]
     permuted, norm_shift = family.gguf_rope_permuted, family.gguf_norm_shift
@@ -151,12 +155,17 @@ def _hf_named_tensors(reader: GGUFReader, config: ModelConfig,
         # Fails fast on tensors we have no place for.
         name = None if expert_names else hf_tensor_name(tensor.name, config.architecture)
         shape = tuple(reversed([int(n) for n in tensor.shape]))  # GGUF lists dims fastest-first
-        value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
+        if not expert_names and len(shape) == 2 and keeps_quantized(tensor.name, tensor.tensor_type, quantization):
+            value = QuantizedTensor.from_gguf(tensor.tensor_type, tensor.data, shape)
+        else:
+            value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
         if expert_names:
             yield from zip(expert_names, value)  # value [E, rows, cols]
             continue
         kind = tensor.name.split(".")[-2]  # "attn_q" in "blk.3.attn_q.weight"
-        if permuted and kind in heads:
+        if permuted and kind in heads and isinstance(value, QuantizedTensor):
+            value = value.with_blocks(unpermute_rope_rows(value.blocks, heads[kind]))  # whole rows move
+        elif permuted and kind in heads:
             value = unpermute_rope_rows(value, heads[kind])
         if norm_shift and kind.endswith("norm"):
             value = (value.float() - norm_shift).to(dtype)

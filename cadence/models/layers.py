@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, overload
 import torch
 import torch.nn.functional as F
 
-from cadence.models import packed_weights
+from cadence.models import packed_weights, quantized
+from cadence.models.quantized import Part, QuantizedTensor
 
 if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps
+    from cadence.kernels.quant_matmul import QuantMatmul
     from cadence.models.lora_layers import LinearLoRA
 
 
@@ -24,21 +26,36 @@ def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
 
 
 class Embedding(torch.nn.Module):
-    """Token embedding table, weight [vocab, hidden]."""
+    """Token embedding table, weight [vocab, hidden].
+
+    After ``keep_quantized`` the table stays in GGUF blocks (``quantized``)
+    and a lookup decodes its rows; ``weight`` is left empty (it keeps the dtype).
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = empty_parameter(vocab_size, hidden_size, dtype=dtype)
+        self.quantized: QuantizedTensor | None = None
+        self.quant_kernel: QuantMatmul | None = None  # see LlamaForCausalLM.use_quant_kernel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized.embedding(input_ids, self.quantized, self.quant_kernel, self.weight.dtype)
         return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
+
+    def keep_quantized(self, shards: list[Part]) -> None:
+        """Hold the table as the one quantized shard ``shards`` holds."""
+        (table,) = shards
+        self.quantized = table
+        self.weight.data = self.weight.data.new_empty(0)
 
 
 class Linear(torch.nn.Module):
     """``y = x @ W.T (+ b)`` with W [out_features, in_features].
 
     After ``pack()`` (CPU only, see ``packed_weights``) the product runs on
-    oneDNN's packed copy and ``weight`` is left empty. With LoRA adapters
+    oneDNN's packed copy and ``weight`` is left empty; after ``keep_quantized``
+    it runs on GGUF blocks (see ``quantized``), ``weight`` empty too. With LoRA adapters
     (``lora``, see ``lora_layers``) each token's adapter delta is added to
     whichever product ran.
     """
@@ -49,10 +66,14 @@ class Linear(torch.nn.Module):
         self.weight = empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.quantized: tuple[Part, ...] | None = None  # row ranges of W, see keep_quantized
+        self.quant_kernel: QuantMatmul | None = None  # see LlamaForCausalLM.use_quant_kernel
         self.lora: LinearLoRA | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.quantized is not None:
+            y = quantized.linear(x, self.quantized, self.bias, self.quant_kernel)
+        elif self.packed_weight is not None:
             y = packed_weights.packed_linear(x, self.packed_weight, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
@@ -60,11 +81,20 @@ class Linear(torch.nn.Module):
 
     def pack(self) -> bool:
         """Move the weight into oneDNN's packed layout; False where it cannot be."""
-        if self.packed_weight is not None or not packed_weights.can_pack(self.weight):
+        if self.packed_weight is not None or self.quantized is not None \
+                or not packed_weights.can_pack(self.weight):
             return False
         self.packed_weight = packed_weights.pack(self.weight)
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy is the only one
         return True
+
+    def keep_quantized(self, shards: list[Part]) -> None:
+        """Hold W as ``shards`` (its row ranges in order; quantized or float) instead of ``weight``."""
+        if sum(shard.shape[0] for shard in shards) != self.out_features:
+            raise ValueError(f"keep_quantized: shards of {[tuple(s.shape) for s in shards]} do not "
+                             f"make the {self.out_features} rows of this layer")
+        self.quantized = quantized.merge_parts(shards)
+        self.weight.data = self.weight.data.new_empty(0)
 
 
 class FusedLinear(Linear):

@@ -46,14 +46,16 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from cadence.models import packed_weights
+from cadence.models import packed_weights, quantized
 from cadence.models.config import ModelConfig
 from cadence.models.layers import Embedding, FusedLinear, GatedMLP, HeadRMSNorm, Linear, RMSNorm
 from cadence.models.moe import SparseMoE
+from cadence.models.quantized import Part, QuantizedTensor
 from cadence.models.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps
+    from cadence.kernels.quant_matmul import QuantMatmul
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -255,6 +257,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tied_head_packed: torch.Tensor | None = None  # see pack_weights
+        self.quant_kernel: QuantMatmul | None = None  # the tied head's, see use_quant_kernel
 
     @property
     def dtype(self) -> torch.dtype:
@@ -278,6 +281,9 @@ class LlamaForCausalLM(torch.nn.Module):
             return self.lm_head(hidden)
         if self.tied_head_packed is not None:
             return packed_weights.packed_linear(hidden, self.tied_head_packed, None)
+        table = self.model.embed_tokens.quantized
+        if table is not None:
+            return quantized.matmul(hidden, table, self.quant_kernel)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
@@ -285,6 +291,23 @@ class LlamaForCausalLM(torch.nn.Module):
         for module in self.modules():
             if hasattr(module, "fused_ops"):
                 module.fused_ops = ops
+
+    def use_quant_kernel(self, kernel: QuantMatmul | None) -> None:
+        """Run products on quantized weights through ``kernel`` (None: dequantize in PyTorch per call)."""
+        for module in self.modules():
+            if hasattr(module, "quant_kernel"):
+                module.quant_kernel = kernel
+
+    def quantized_weights(self) -> list[Part]:
+        """Every part of a weight kept quantized (see ``quantized``): empty for a float model."""
+        parts: list[Part] = []
+        for module in self.modules():
+            kept = getattr(module, "quantized", None)
+            if isinstance(kept, QuantizedTensor):
+                parts.append(kept)
+            elif kept is not None:
+                parts.extend(kept)
+        return parts
 
     def pack_weights(self) -> int:
         """Pack every matmul weight for oneDNN (CPU; see ``packed_weights``).
@@ -295,18 +318,23 @@ class LlamaForCausalLM(torch.nn.Module):
         """
         num_packed = sum(module.pack() for module in self.modules() if isinstance(module, Linear))
         embedding = self.model.embed_tokens.weight
-        if self.lm_head is None and self.tied_head_packed is None and packed_weights.can_pack(embedding):
+        if self.lm_head is None and self.tied_head_packed is None and self.model.embed_tokens.quantized is None \
+                and packed_weights.can_pack(embedding):
             self.tied_head_packed = packed_weights.pack(embedding)
             num_packed += 1
         return num_packed
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy in tensors named as in a Hugging Face checkpoint; fail if any is missing.
 
         ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` land in their
         rows of the fused projections. Tensors are cast to the model's dtype.
+        A ``QuantizedTensor`` stays quantized where its layer can keep it (a
+        ``Linear`` or the embedding: ``keep_quantized``) and is dequantized elsewhere.
         """
         destinations = self.checkpoint_tensors()
+        homes = self._quantized_homes()
+        kept: dict[str, QuantizedTensor] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
@@ -317,11 +345,43 @@ class LlamaForCausalLM(torch.nn.Module):
             if destination.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(destination.shape)}")
+            if isinstance(tensor, QuantizedTensor):
+                if name in homes:
+                    kept[name] = tensor
+                    loaded.add(name)
+                    continue
+                tensor = tensor.dequantize()
             destination.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(destinations) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        self._keep_quantized(kept, homes, destinations)
+
+    def _quantized_homes(self) -> dict[str, tuple[torch.nn.Module, list[str]]]:
+        """Checkpoint weight name -> (the layer that can keep it quantized, all its weight names in row order)."""
+        homes = {}
+        for path, module in self.named_modules():
+            if not isinstance(module, (Linear, Embedding)):
+                continue
+            if hasattr(module, "checkpoint_tensors"):  # fused: one name per shard
+                names = [name for name in module.checkpoint_tensors(path) if name.endswith(".weight")]
+            else:
+                names = [f"{path}.weight"]
+            homes.update({name: (module, names) for name in names})
+        return homes
+
+    @staticmethod
+    def _keep_quantized(kept: dict[str, QuantizedTensor], homes, destinations) -> None:
+        """Hand each layer with a quantized shard its shards (float ones as loaded)."""
+        done: set[int] = set()
+        for name in kept:
+            module, names = homes[name]
+            if id(module) in done:
+                continue
+            done.add(id(module))
+            shards: list[Part] = [kept[n] if n in kept else destinations[n].clone() for n in names]
+            module.keep_quantized(shards)
 
     def checkpoint_names(self) -> list[str]:
         """Hugging Face names of every tensor ``load_weights`` needs."""

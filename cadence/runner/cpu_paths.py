@@ -11,6 +11,11 @@ the plain PyTorch path is kept otherwise. The choice is logged in one line:
     oneDNN packed        oneDNN packs this dtype here (bfloat16: AVX-512 BW/VL/DQ,
     matmuls              AVX-NE-CONVERT or ARM BF16) and a trial product agrees
     C kernels            a C compiler builds them (float32 and bfloat16 only)
+    quantized matmuls    the C kernel on GGUF blocks builds (AVX2 FMA where -march has
+                         them, portable C otherwise); else PyTorch dequantizes per call
+
+``resolve_quantization`` turns the ``quantization`` option into what the
+loader does: ``auto`` keeps GGUF blocks only on a CPU where that kernel builds.
 
 ``dtype="auto"`` is bfloat16 where the CPU computes it natively (AVX512_BF16,
 AMX, ARM BF16) and float32 elsewhere; on a GPU it is the checkpoint's own
@@ -32,6 +37,7 @@ from cadence.models import packed_weights
 if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps
     from cadence.kernels.paged_attention import PagedAttentionKernel
+    from cadence.kernels.quant_matmul import QuantMatmul
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Flags with which a CPU computes float16 products natively.
@@ -46,6 +52,8 @@ class CpuPaths:
     fused_ops: "FusedOps | None"
     attention_kernel: "PagedAttentionKernel | None"
     reasons: tuple[str, ...] = ()  # one entry per path, for the log line
+    quant_matmul: "QuantMatmul | None" = None  # products on quantized weights (None: PyTorch)
+    quant_reason: str = "quantized matmuls in PyTorch (dequantized per call)"
 
     @classmethod
     def plain(cls) -> "CpuPaths":
@@ -66,7 +74,45 @@ def choose_cpu_paths(dtype: torch.dtype, features: CpuFeatures | None = None) ->
     fused, attention, why_not = _native_kernels(dtype, features)
     march = features.compiler_arch()
     reasons.append(f"C kernels (-march={march})" if why_not is None else f"PyTorch kernels ({why_not})")
-    return CpuPaths(pack, fused, attention, tuple(reasons))
+    quant, quant_reason = quant_kernel(features)
+    return CpuPaths(pack, fused, attention, tuple(reasons), quant, quant_reason)
+
+
+def quant_kernel(features: CpuFeatures | None = None) -> tuple["QuantMatmul | None", str]:
+    """The C kernel for products on GGUF blocks (or None) and a phrase for the log line."""
+    from cadence.kernels.quant_matmul import quant_matmul
+
+    features = cpu_features.detect() if features is None else features
+    if not features.allows("native"):
+        return None, "quantized matmuls in PyTorch, dequantized per call (C kernels hidden)"
+    kernel = quant_matmul(features.compiler_arch())
+    if kernel is None:
+        return None, ("quantized matmuls in PyTorch, dequantized per call (C kernel unavailable: "
+                      "no compiler, a failed build or CADENCE_NATIVE=0)")
+    return kernel, f"quantized matmuls in C ({kernel.isa}, -march={features.compiler_arch()})"
+
+
+def resolve_quantization(option: str, device: torch.device,
+                         features: CpuFeatures | None = None) -> tuple[str, str | None]:
+    """The loader's quantization mode for ``option`` on ``device``, and a note when
+    ``auto`` falls back to dequantizing at load (None otherwise).
+
+    ``auto`` keeps GGUF blocks on a CPU whose quantized kernel builds; ``gguf``
+    keeps them on any CPU (PyTorch dequantizes per call without the kernel) and
+    is refused on a GPU; ``none`` never keeps them.
+    """
+    if option == "none":
+        return "none", None
+    if device.type != "cpu":
+        if option == "gguf":
+            raise ValueError(f"quantization: gguf keeps weights quantized on the CPU only, not on "
+                             f"{device.type}; use auto or none")
+        return "none", None
+    if option == "auto":
+        kernel, reason = quant_kernel(features)
+        if kernel is None:
+            return "none", f"quantization auto: GGUF weights dequantized at load ({reason})"
+    return option, None
 
 
 def _native_kernels(dtype: torch.dtype, features: CpuFeatures):

@@ -36,6 +36,7 @@ from cadence.runner.grammar_mask import revive_dead_rows
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
 from cadence.runner.host_memory import keep_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
+from cadence.runner.kv_transfer.base import KVConnectorWorker, take_connector_output
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
 from cadence.runner.lora import LoRAManager
 from cadence.runner.ngram_drafter import NgramDrafter
@@ -70,6 +71,7 @@ class ModelRunner:
         sliding_window: int | None = None,
         attention_backend: str | None = None,
         lora_config: "LoRAConfig | None" = None,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
@@ -77,7 +79,9 @@ class ModelRunner:
         attention window (default: the model's own). ``attention_backend``:
         ``triton`` (the default on a GPU; on the CPU only under
         ``TRITON_INTERPRET=1``, for tests) or ``cpu`` (the default on the CPU).
-        ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs)."""
+        ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs).
+        ``kv_connector``: the worker side of a KV connector, called around
+        every step's forward (see ``cadence.runner.kv_transfer.base``)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -108,6 +112,7 @@ class ModelRunner:
         if self.attention_backend == "triton":
             self.stager = StepStager(self.device, self.group, model_config.num_key_value_heads,
                                      self.sliding_window)
+        self.kv_connector = kv_connector
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
@@ -144,6 +149,18 @@ class ModelRunner:
             self.model_config, num_blocks=num_blocks + extra, block_size=self.block_size,
             dtype=self.dtype, device=self.device,
         )
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_cache)
+
+    def attach_kv_connector(self, kv_connector: KVConnectorWorker) -> None:
+        """Call ``kv_connector`` around every step from now on (between steps only)."""
+        self.kv_connector = kv_connector
+        kv_connector.register_kv_caches(self.kv_cache)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads (the engine core calls this last)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def capture_cuda_graphs(self, capture_sizes: list[int]) -> None:
         """Capture the decode forward for each batch size (CUDA, Triton backend only)."""
@@ -202,6 +219,8 @@ class ModelRunner:
             self.model.pack_weights()
         if paths.fused_ops is not None and paths.fused_ops.supports(dtype):
             self.model.use_fused_ops(paths.fused_ops)
+        if hasattr(self.model, "use_quant_kernel"):
+            self.model.use_quant_kernel(paths.quant_matmul)
         kernel = paths.attention_kernel
         # The native kernel has no score soft-capping: such models stay on SDPA.
         fits = kernel is not None and kernel.supports(dtype) and self.model_config.attn_logit_softcapping is None
@@ -210,8 +229,20 @@ class ModelRunner:
     # ------------------------------------------------------------ the step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and report what each scheduled request sampled."""
+        """Run one step and report what each scheduled request sampled (and
+        what the KV connector, if any, finished moving)."""
         self._update_states(scheduler_output)
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_scheduled(scheduler_output)
+        connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        output = self._execute_scheduled(scheduler_output)
+        connector.wait_for_save()
+        output.kv_connector_output = take_connector_output(connector, scheduler_output.finished_req_ids)
+        return output
+
+    def _execute_scheduled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward and sampling of the scheduled tokens."""
         failed, self._failed_requests = self._failed_requests or None, {}
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],

@@ -1,6 +1,7 @@
-"""``cadence serve`` and ``cadence bench serve``: parsers the main CLI mounts.
+"""``cadence serve``, ``cadence proxy`` and ``cadence bench serve``: parsers the main CLI mounts.
 
     cadence serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+    cadence proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 [--port 8000]
     cadence bench serve --rate 0.5 --num-prompts 64 [--base-url http://127.0.0.1:8000]
 
 Options are generated from ``ServerConfig`` and the engine's config classes
@@ -44,6 +45,40 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_arguments(parser)
     parser.set_defaults(func=cmd_bench_serve)
     return parser
+
+
+def add_proxy_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "proxy", help="one OpenAI endpoint over a prefill and a decode instance (P/D disaggregation)",
+        description="Send each /v1/completions or /v1/chat/completions request to a prefill "
+                    "instance (cadence serve --kv-transfer-config '{\"kv_connector\": "
+                    "\"PDConnector\", \"kv_role\": \"kv_producer\", ...}') for one token, "
+                    "then to a decode instance (kv_consumer) that pulls the prompt's KV and "
+                    "generates; streams pass through.")
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="a prefill instance, e.g. http://127.0.0.1:8100 (repeatable)")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode instance (repeatable)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--read-timeout-s", type=float, default=600.0,
+                        help="longest silence of an instance mid-answer")
+    parser.add_argument("--log-level", default="info")
+    parser.set_defaults(func=cmd_proxy)
+    return parser
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from cadence.server.proxy import ProxyConfig, build_proxy_app
+
+    config = ProxyConfig(tuple(url.rstrip("/") for url in args.prefill),
+                         tuple(url.rstrip("/") for url in args.decode),
+                         read_timeout_s=args.read_timeout_s)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(build_proxy_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -109,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cadence.server")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    add_proxy_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))
     return parser

@@ -65,7 +65,15 @@ class PrometheusStatLogger:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_cache_hit_rate = gauge(
             "prefix_cache_hit_rate", "Prefix-cache hits / queries since the server started.")
+        self.external_prefix_cache_queries = counter(
+            "external_prefix_cache_queries",
+            "Prompt tokens looked up beyond the prefix cache by a KV connector (the host-memory tier).")
+        self.external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits", "Prompt tokens a KV connector supplied (tier hits, swaps back).")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self.num_swapped_preemptions = counter(
+            "num_swapped_preemptions", "Preempted requests whose KV was swapped to the host-memory "
+            "tier instead of freed for recompute.")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -131,6 +139,12 @@ class PrometheusStatLogger:
             self._num_queries += queries
             self._num_hits += hits
             self.prefix_cache_hit_rate.set(self._num_hits / self._num_queries)
+        if stats.num_swapped_preemptions:
+            self.num_swapped_preemptions.inc(stats.num_swapped_preemptions)
+        external = stats.connector_prefix_cache_stats
+        if external is not None and (external.queries or external.preempted_queries):
+            self.external_prefix_cache_queries.inc(external.queries + external.preempted_queries)
+            self.external_prefix_cache_hits.inc(external.hits + external.preempted_hits)
         if stats.client_service is not None:
             self._record_client_service(stats.client_service)
         if stats.spec_decoding_stats is not None:

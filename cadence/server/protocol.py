@@ -78,7 +78,7 @@ _NOT_YET_SUPPORTED: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": None, "bad_words": None,
     "allowed_token_ids": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
-    "lora_request": None, "mm_processor_kwargs": None, "kv_transfer_params": None,
+    "lora_request": None, "mm_processor_kwargs": None,
 }
 # Why a field of _NOT_YET_SUPPORTED is refused, where "not supported yet" would mislead.
 _REFUSAL_REASONS = {
@@ -168,6 +168,9 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's, for a KV connector (prefill/decode disaggregation); refused by a
+    # server whose engine has no connector that reads it.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def constraint(self) -> tuple[str, StructuredOutputParams] | None:
         """(the field it came from, the output constraint) of this request, if any."""

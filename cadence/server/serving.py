@@ -90,6 +90,7 @@ class OpenAIServing:
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage(finals),
+            **kv_transfer_answer(finals),
         })
 
     def _completion_prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -185,6 +186,7 @@ class OpenAIServing:
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created,
             "model": model, "choices": choices, "usage": usage([final]),
+            **kv_transfer_answer([final]),
         })
 
     async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, n: int,
@@ -288,6 +290,8 @@ class OpenAIServing:
                 body, lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """One engine request per prompt; on any refusal, nothing stays submitted."""
         streams: list[RequestStream] = []
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            raise ValueError("kv_transfer_params: only for a request of one prompt")
         try:
             for i, (text, token_ids) in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -295,12 +299,19 @@ class OpenAIServing:
                                                     priority=body.priority, user=body.user,
                                                     slo_ttft_s=body.slo_ttft_s,
                                                     slo_tpot_s=body.slo_tpot_s,
-                                                    lora_request=lora_request))
+                                                    lora_request=lora_request,
+                                                    kv_transfer_params=body.kv_transfer_params))
         except BaseException:
             for stream in streams:
                 stream.close()
             raise
         return streams
+
+
+def kv_transfer_answer(finals: list[RequestOutput]) -> dict[str, Any]:
+    """The KV connector's answer (vLLM's ``kv_transfer_params`` field), if it gave one."""
+    params = finals[0].kv_transfer_params if len(finals) == 1 else None
+    return {"kv_transfer_params": params} if params is not None else {}
 
 
 def render_chat(tokenizer: Tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool,

@@ -72,6 +72,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="charge the engine loop's measured seconds per step on the virtual clock "
                              "(the host's share: added to the model's time, or overlapped with it "
                              "under --async-scheduling)")
+    parser.add_argument("--kv-offload-size", type=float, default=None, metavar="GIB",
+                        help="a host-memory KV tier of this many GiB (and swap preemption, see "
+                             "--preemption-mode), its copies charged at --copy-link's bandwidth")
+    parser.add_argument("--copy-link", default="pcie", choices=("pcie", "nvlink"),
+                        help="the tier's link: pcie (32 GB/s) or nvlink (NVLink-C2C, 450 GB/s)")
     parser.add_argument("--out", metavar="DIR", help=f"write {SUMMARY_FILE} and PNG plots here")
     _add_data_parallel_options(parser)
 
@@ -126,7 +131,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if any(own.values()) and policy not in policies:
             name = next(name for name, value in own.items() if value)
             raise ValueError(f"{name}: applies to policy {policy} only, which --policy does not run")
+    if args.kv_offload_size is not None:
+        kwargs["kv_offload_size"] = args.kv_offload_size
     options = EngineOptions.from_kwargs(**kwargs)
+    kv_tier = None
+    if options.kv_transfer is not None:
+        from cadence.sim.kv_tier import SimKVTier
+
+        kv_tier = SimKVTier(options.kv_transfer.kv_offload_size, args.copy_link, options.preemption_mode)
     policy_options = {policy: {k: v for k, v in own.items() if v is not None}
                       for policy, own in per_policy.items()}
     if options.cache.enable_kv_cache_events:
@@ -145,12 +157,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError("data_parallel_size: must be >= 1")
     if args.data_parallel_size > 1:
+        if kv_tier is not None:
+            raise ValueError("kv_offload_size: not supported yet with --data-parallel-size > 1 "
+                             "in the simulator")
         results, per_replica = _simulate_replicas(args, specs, policies, options, cost_model,
                                                   policy_options)
     else:
         results, per_replica = compare_policies(
             specs, policies, options.scheduler, options.cache, cost_model,
-            policy_options=policy_options, charge_host_time=args.charge_host_time), {}
+            policy_options=policy_options, charge_host_time=args.charge_host_time,
+            kv_tier=kv_tier), {}
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     # Jain's index weighs each client's service by its fair share, for every policy alike.
     weights = _client_index_weights(policy_options["fair"].get("fair_client_weights"))

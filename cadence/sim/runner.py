@@ -17,12 +17,15 @@ before it is absorbed, so the clock takes the steps in order from there).
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from cadence.core.outputs import ModelRunnerOutput
 from cadence.core.sched.output import SchedulerOutput
 from cadence.core.testing import samples
 from cadence.sim.cost_model import CostModel, StepShape
+
+if TYPE_CHECKING:
+    from cadence.sim.kv_tier import TierCopies
 
 FILLER_TOKEN_ID = 0
 
@@ -36,13 +39,16 @@ class ExecutedStep(NamedTuple):
 class SimRunner:
     """Charges each step's cost; "samples" one filler token per finished row."""
 
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(self, cost_model: CostModel, tier_copies: "TierCopies | None" = None) -> None:
+        """``tier_copies``: price the KV tier's copy orders too (``cadence.sim.kv_tier``)."""
         self.cost_model = cost_model
+        self.tier_copies = tier_copies
         # req_id -> known tokens (prompt + sampled), kept across preemption.
         self._num_tokens: dict[str, int] = {}
         self.last_step_seconds = 0.0
         self.last_shape = StepShape(0, 0, 0, 0)
         self.last_num_preempted = 0
+        self.num_tokens_computed = 0  # since start: prefill, recompute and decode tokens
         self.executed: deque[ExecutedStep] = deque(maxlen=8)  # not yet taken by a clock
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -77,15 +83,22 @@ class SimRunner:
                 extra_pairs += q * c + (q * (q + 1) >> 1) - c - 1
         # The same shape as cost_model.step_shape (a test keeps them equal).
         total = scheduler_output.total_num_scheduled_tokens
+        self.num_tokens_computed += total
         num_computed = sum(computed)
         num_reqs = len(req_ids)
         shape = StepShape(total, num_reqs, num_computed + total, num_computed + num_reqs + extra_pairs)
         self.last_shape = shape
-        self.last_step_seconds = self.cost_model.step_seconds(shape)
+        seconds = self.cost_model.step_seconds(shape)
+        connector_output = None
+        if self.tier_copies is not None:
+            before, after, connector_output = self.tier_copies.charge(scheduler_output.kv_connector_metadata)
+            seconds = before + max(seconds, after)
+        self.last_step_seconds = seconds
         self.last_num_preempted = len(scheduler_output.preempted_req_ids)
         self.executed.append(ExecutedStep(self.last_step_seconds, shape, self.last_num_preempted))
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(zip(req_ids, range(num_reqs))),
             sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
         )

@@ -33,6 +33,7 @@ from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore
 from cadence.sampling_params import SamplingParams
 from cadence.sim.cost_model import CostModel, StepShape
+from cadence.sim.kv_tier import SimKVTier, TierCopies, make_tier_connector
 from cadence.sim.metrics import SLO, MetricsRecorder, summarize
 from cadence.sim.runner import ExecutedStep, SimRunner
 from cadence.sim.workload import PromptMaker, RequestSpec
@@ -295,9 +296,12 @@ class Simulator:
         *,
         prompt_maker: PromptMaker | None = None,
         charge_host_time: bool = False,
+        kv_tier: SimKVTier | None = None,
     ) -> None:
         """``charge_host_time``: charge the engine loop's measured seconds per
-        step on the virtual clock too (see ``VirtualClock``)."""
+        step on the virtual clock too (see ``VirtualClock``). ``kv_tier``: a
+        host-memory KV tier (and swap preemption), its copies charged at the
+        link's bandwidth (see ``cadence.sim.kv_tier``)."""
         if cache_config.num_gpu_blocks is None:
             if cache_config.kv_cache_memory is not None:
                 raise ValueError("kv_cache_memory: the simulator sizes the cache in blocks; give num_gpu_blocks")
@@ -308,8 +312,15 @@ class Simulator:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         # The policy reads the virtual clock (arrival times are on it).
-        self.scheduler = Scheduler(scheduler_config, cache_config, clock=lambda: self.clock.now)
-        self.runner = SimRunner(cost_model)
+        connector, tier_copies = None, None
+        if kv_tier is not None:
+            connector = make_tier_connector(kv_tier, cost_model, cache_config.block_size,
+                                            cache_config.num_gpu_blocks)
+            tier_copies = TierCopies(connector.context.bytes_per_block, kv_tier.bytes_per_second)
+        self.connector = connector
+        self.scheduler = Scheduler(scheduler_config, cache_config, kv_connector=connector,
+                                   clock=lambda: self.clock.now)
+        self.runner = SimRunner(cost_model, tier_copies)
         overlapped = scheduler_config.async_scheduling
         # Steps execute at once on submission: the clock, not a thread, overlaps them.
         self.core = EngineCore(self.scheduler, self.runner, async_scheduling=overlapped,
@@ -343,6 +354,7 @@ def compare_policies(
     prompt_maker_factory: Callable[[], PromptMaker] = PromptMaker,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
     charge_host_time: bool = False,
+    kv_tier: SimKVTier | None = None,
 ) -> dict[str, SimResult]:
     """The same specs (and so the same prompts) simulated under each policy.
 
@@ -356,6 +368,6 @@ def compare_policies(
         own = dict((policy_options or {}).get(policy, {}))
         config = replace(scheduler_config, policy=policy, **{**cleared, **own})
         simulator = Simulator(config, cache_config, cost_model, prompt_maker=prompt_maker_factory(),
-                              charge_host_time=charge_host_time)
+                              charge_host_time=charge_host_time, kv_tier=kv_tier)
         results[policy] = simulator.run(specs, label=policy)
     return results

@@ -24,6 +24,7 @@ def options(**kwargs) -> EngineOptions:
     (dict(data_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(data_parallel_size=2, distributed_executor_backend="ray", device="cuda:1"), "device"),
     (dict(data_parallel_size=2, enable_kv_cache_events=True), "enable_kv_cache_events"),
+    (dict(data_parallel_size=2, kv_offload_size=1.0), "kv_transfer_config"),
 ])
 def test_what_data_parallelism_cannot_combine_is_refused(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -325,7 +325,7 @@ def test_prompt_larger_than_the_kv_cache_is_refused(llm, monkeypatch):
     engine = llm.engine
     # Reuse the loaded model: only the 2-block (32-token) KV cache is new.
     monkeypatch.setattr(builder, "load_model",
-                        lambda path, dtype: (engine.core.runner.model, engine.tokenizer, engine.model_config))
+                        lambda path, dtype, quantization="none": (engine.core.runner.model, engine.tokenizer, engine.model_config))
     try:
         small = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, num_gpu_blocks=2)
     except ValueError:

@@ -186,16 +186,21 @@ def test_architectures_it_cannot_split_are_refused(overrides, message):
         check_tensor_parallel(tiny_config(**overrides), 2)
 
 
-def test_lora_is_refused(folders):
-    with pytest.raises(ValueError, match="enable_lora: LoRA adapters are not split"):
-        make_llm(folders["mha"], 2, enable_lora=True)
+@pytest.mark.parametrize("options, message", [
+    (dict(enable_lora=True), "enable_lora: LoRA adapters are not split"),
+    (dict(kv_offload_size=0.01), "kv_transfer_config: a KV connector"),
+    (dict(quantization="gguf"), "quantization: gguf keeps weights quantized"),
+])
+def test_options_it_does_not_combine_with_are_refused(folders, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(folders["mha"], 2, **options)
 
 
 def test_ray_workers_are_refused():
     """(cadence serve and LLM refuse ray with tensor parallelism before building an engine.)"""
     options = EngineOptions.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="distributed_executor_backend: ray places data-parallel"):
-        check_tensor_parallel_options(options, tiny_config(), torch.device("cpu"))
+        check_tensor_parallel_options(options, None, tiny_config(), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("options, message", [

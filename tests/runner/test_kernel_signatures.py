@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from cadence.kernels import build, fused_ops, paged_attention
+from cadence.kernels import build, fused_ops, paged_attention, quant_matmul
 
 C_TO_CTYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 ELEMENT_SUFFIXES = ("f32", "bf16")
@@ -33,7 +33,7 @@ def exported_prototypes(source: str) -> dict[str, list[type]]:
     expanded = re.sub(r"\s+", " ", expanded)
     prototypes = {}
     # The declaration runs from the end of the previous one; "static" in it means not exported.
-    for match in re.finditer(r"([^;{}]*)\bvoid (\w+)\(([^)]*)\) \{", expanded):
+    for match in re.finditer(r"([^;{}]*)\b(?:void|int) (\w+)\(([^)]*)\) \{", expanded):
         if re.search(r"\bstatic\b", match.group(1)):
             continue
         prototypes[match.group(2)] = [_ctype(param) for param in match.group(3).split(",")]
@@ -61,6 +61,11 @@ def test_paged_attention_binding_matches_its_prototype():
     assert set(prototypes) == {f"paged_attention_{suffix}" for suffix in ELEMENT_SUFFIXES}
     for name, params in prototypes.items():
         assert params == paged_attention.ARGTYPES, name
+
+
+def test_quant_matmul_bindings_match_their_prototypes():
+    prototypes = exported_prototypes("quant_matmul.c")
+    assert prototypes == quant_matmul.SIGNATURES
 
 
 def test_the_parser_sees_a_wrong_binding():

@@ -288,13 +288,16 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     (dict(extra_body={"use_beam_search": True}), "use_beam_search"),
     (dict(extra_body={"chat_template": "{{ messages }}"}), "chat_template"),
     (dict(extra_body={"priority": 3}), "priority"),  # the server runs fcfs: a priority would be ignored
+    # No KV connector reads them here (prefill/decode disaggregation needs --kv-transfer-config).
+    (dict(extra_body={"kv_transfer_params": {"do_remote_decode": True}}), "kv_transfer_params"),
 ])
 def test_options_that_would_do_nothing_are_refused(client, kwargs, param):
     kwargs = {"messages": CHAT, "max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, **kwargs)
     assert err.value.param == param
-    assert "not supported yet" in err.value.message or "--policy priority" in err.value.message
+    assert any(why in err.value.message
+               for why in ("not supported yet", "--policy priority", "--kv-transfer-config"))
     # The neutral values ask for nothing and pass; the server goes on serving.
     ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logit_bias={},
                                         tools=[TOOL], tool_choice="none",

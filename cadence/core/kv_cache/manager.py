@@ -194,6 +194,12 @@ class KVCacheManager:
         )
         self._num_cached_blocks[req_id] = num_full
 
+    def block_hashes_of(self, request: Request, num_blocks: int) -> list[Any]:
+        """The request's block hashes, covering at least its first ``num_blocks``
+        full blocks (computed if needed, with prefix caching off too): a KV tier
+        keys blocks by them. The request's own list, not a copy."""
+        return self._block_hashes(request, num_blocks)
+
     def _block_hashes(self, request: Request, num_blocks: int) -> list[Any]:
         hashes = request.block_hashes
         if len(hashes) < num_blocks:

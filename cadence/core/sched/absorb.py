@@ -48,7 +48,7 @@ class OutputAbsorber:
     def __init__(
         self,
         lifecycle: RequestLifecycle,
-        finished_recving_kv_req_ids: set[str],
+        finished_recving_kv_req_ids: dict[str, int | None],
         make_stats: Callable[[SpecDecodingStats | None], SchedulerStats | None],
         *,
         max_model_len: int,
@@ -59,7 +59,8 @@ class OutputAbsorber:
     ) -> None:
         self.lifecycle = lifecycle
         self.requests = lifecycle.requests
-        # Shared with admission: ids whose remote KV arrived, added here.
+        # Shared with admission: ids whose remote KV arrived -> how many of
+        # their leading blocks hold valid KV (None: all), added here.
         self.finished_recving_kv_req_ids = finished_recving_kv_req_ids
         self.make_stats = make_stats
         self.max_model_len = max_model_len
@@ -200,15 +201,30 @@ class OutputAbsorber:
         request.spec_token_ids = list(drafts)
 
     def _absorb_kv_transfers(self, output: KVConnectorOutput) -> None:
-        """Loads that finished make requests ready; sends that finished free blocks."""
+        """Loads that finished make requests ready (up to their first invalid
+        block); sends that finished free blocks."""
         if self.connector is not None:
             self.connector.update_connector_output(output)
+        invalid = output.invalid_block_ids
         for req_id in output.finished_recving or ():
-            self.finished_recving_kv_req_ids.add(req_id)
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # aborted while loading: its blocks are already free
+            self.finished_recving_kv_req_ids[req_id] = (
+                self._num_valid_blocks(req_id, invalid) if invalid else None
+            )
         for req_id in output.finished_sending or ():
             request = self.requests.get(req_id)
             if request is not None:
                 self.lifecycle.free_blocks(request)
+
+    def _num_valid_blocks(self, req_id: str, invalid_block_ids: set[int]) -> int | None:
+        """How many of the request's leading blocks precede its first invalid one."""
+        block_ids = self.lifecycle.kv_cache_manager.get_block_ids(req_id)
+        for i, block_id in enumerate(block_ids):
+            if block_id in invalid_block_ids:
+                return i
+        return None
 
     def _make_engine_core_outputs(
         self, outputs: dict[int, list[EngineCoreOutput]], spec_stats: SpecDecodingStats | None

@@ -9,23 +9,52 @@ and reports finished transfers in ``ModelRunnerOutput.kv_connector_output``.
   request then waits in ``WAITING_FOR_REMOTE_KVS`` holding its blocks);
 - ``update_state_after_alloc``: blocks were allocated for those tokens;
 - ``build_connector_meta``: the step's transfer plan, handed to the runner;
-- ``request_finished``: whether to delay freeing blocks while they are sent.
+- ``request_finished``: whether to delay freeing blocks while they are sent;
+- ``request_preempted``: whether the connector keeps a victim's KV (swap
+  preemption): it then offers it back as matched tokens when the request
+  is admitted again.
+
+Connectors are built by name (``cadence.engine.kv_connectors``), each side
+given the ``KVConnectorContext`` of the engine.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cadence.core.kv_cache.block_pool import KVCacheBlock
-    from cadence.core.outputs import KVConnectorOutput
+    from cadence.core.kv_cache.manager import KVCacheManager
+    from cadence.core.outputs import KVConnectorOutput, PrefixCacheStats
     from cadence.core.request import Request
     from cadence.core.sched.output import SchedulerOutput
 
 
+@dataclass(frozen=True)
+class KVConnectorContext:
+    """What both sides of a connector know of the engine they serve."""
+
+    block_size: int
+    num_blocks: int  # blocks of the engine's own (primary) KV cache
+    bytes_per_block: int  # one block across all layers, keys and values
+    kv_role: str = "kv_both"
+    # Estimated seconds the engine spends computing one token's KV (a cost
+    # model's input, e.g. recompute against copy for swap preemption).
+    seconds_per_token: float = 0.0
+    # Estimated bytes per second of a copy between the KV cache and host memory.
+    copy_bytes_per_second: float = 0.0
+    # recompute, swap or auto (SchedulerConfig.preemption_mode made concrete).
+    preemption_mode: str = "recompute"
+
+
 class KVConnectorBase(ABC):
     """Scheduler-side connector hooks."""
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        """The scheduler's KV cache manager (block ids and block hashes of
+        requests); called once, when the scheduler is built."""
 
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -51,6 +80,16 @@ class KVConnectorBase(ABC):
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks until sent, transfer params for the client)."""
         return False, None
+
+    def request_preempted(self, request: "Request") -> bool:
+        """``request`` is preempted now, its blocks about to be freed (they hold
+        ``request.num_computed_tokens`` tokens of KV): True when the connector
+        keeps that KV and will offer it back as an asynchronous load."""
+        return False
+
+    def make_prefix_cache_stats(self) -> "PrefixCacheStats | None":
+        """Lookups of external tokens since the last call (None: not counted)."""
+        return None
 
     def shutdown(self) -> None:
         """Release connections."""

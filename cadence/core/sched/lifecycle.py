@@ -80,6 +80,9 @@ class RequestLifecycle:
         self._pending_cancels: set[str] = set()
         # Running requests the runner has not seen yet (forked children).
         self.unsent_running: set[str] = set()
+        # Finished requests whose blocks a KV connector still sends: the engine
+        # keeps stepping until it reports them sent (or gives up on them).
+        self.sending_req_ids: set[str] = set()
         # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
         self._orphan_outputs: list[EngineCoreOutput] = []
         self._orphan_clients: list[int] = []
@@ -238,7 +241,9 @@ class RequestLifecycle:
         if self.finished_req_ids_dict is not None:
             self.finished_req_ids_dict[request.client_index].add(request.request_id)
         self.forks.forget(request)
-        if not delay_free:
+        if delay_free:
+            self.sending_req_ids.add(request.request_id)
+        else:
             self.free_blocks(request)
         return kv_transfer_params
 
@@ -247,6 +252,7 @@ class RequestLifecycle:
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.free_block_hashes(request)
         self.requests.pop(request.request_id, None)
+        self.sending_req_ids.discard(request.request_id)
 
     # ------------------------------------------------------------------
     # what finished, for the step's outputs

@@ -132,8 +132,16 @@ class Scheduler(SchedulerInterface):
         )
         self.lora_config = lora_config
         self.connector = kv_connector
-        # Requests whose async KV load finished: the absorber adds, admission takes.
-        self.finished_recving_kv_req_ids: set[str] = set()
+        if kv_connector is not None:
+            kv_connector.bind_kv_cache_manager(self.kv_cache_manager)
+        # Requests whose async KV load finished -> their valid leading blocks
+        # (None: all): the absorber adds, admission takes.
+        self.finished_recving_kv_req_ids: dict[str, int | None] = {}
+        # Requests loading KV -> (the tokens they will have computed, their
+        # status before): set when the load starts, taken when it finished.
+        self._remote_kv_loads: dict[str, tuple[int, RequestStatus]] = {}
+        # Waiting requests whose load finished, holding their blocks, not admitted yet.
+        self._loaded_waiting: set[str] = set()
         self.structured_output_manager = structured_output_manager
         self.async_scheduling = scheduler_config.async_scheduling
         self.lifecycle = RequestLifecycle(
@@ -161,6 +169,8 @@ class Scheduler(SchedulerInterface):
         self._blocked_since: dict[str, int] = {}
         self.num_preemptions_total = 0
         self._num_step_preemptions = 0
+        self.num_swapped_preemptions_total = 0
+        self._num_swaps_unreported = 0  # swapped preemptions since the last stats
 
     # ------------------------------------------------------------------
     # schedule()
@@ -285,7 +295,6 @@ class Scheduler(SchedulerInterface):
         sent_this_step = request in plan.new
         plan.unschedule(request)
         plan.drop_encoder_inputs(request, self.encoder_cache_manager)
-        self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         unsent = self.lifecycle.unsent_running
@@ -293,6 +302,12 @@ class Scheduler(SchedulerInterface):
             # Never sent to the runner: it will start as a new request.
             unsent.discard(request.request_id)
             request.status = _WAITING
+        elif self.connector is not None and self.connector.request_preempted(request):
+            # Swap preemption: the connector copies the KV out before the
+            # blocks are reused, and offers it back when the request is admitted.
+            self.num_swapped_preemptions_total += 1
+            self._num_swaps_unreported += 1
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.spec_token_ids = []
@@ -306,6 +321,8 @@ class Scheduler(SchedulerInterface):
         skipped: list[Request] = []
         waiting = self.waiting
         caps = plan.prefill_caps
+        if self.finished_recving_kv_req_ids or self._loaded_waiting:
+            self._admit_loaded(plan)
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
             if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
@@ -345,6 +362,29 @@ class Scheduler(SchedulerInterface):
                 caps.count(request)
         if skipped:
             waiting.prepend_requests(skipped)
+
+    def _admit_loaded(self, plan: StepPlan) -> None:
+        """Admit first the waiting requests whose KV load finished: they hold
+        blocks, and behind a request that waits for blocks (waiting requests are
+        never preempted) they would hold them forever, whatever the queue order."""
+        requests = self.requests
+        self._loaded_waiting.intersection_update(requests)  # drop those aborted meanwhile
+        admitted = []
+        for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting):
+            request = requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if len(self.running) >= self.max_num_running_reqs or plan.token_budget <= 0:
+                break
+            if not self._is_ready(request) or request.num_computed_tokens == 0:
+                continue  # a failed load holds nothing: it waits its turn
+            if plan.loras and not plan.loras.can_add(request):
+                continue
+            if self._try_admit(request, plan) is not Admission.ADMITTED:
+                break
+            admitted.append(request)
+        if admitted:
+            self.waiting.remove_requests(admitted)
 
     def _displace_for(self, request: Request, plan: StepPlan) -> bool:
         """With every running slot taken: preempt the running request the policy
@@ -413,7 +453,7 @@ class Scheduler(SchedulerInterface):
                 request, kv.req_to_blocks[request.request_id], num_external
             )
         if load_async:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self._start_remote_kv_load(request, num_computed)
             return Admission.SKIPPED
         self._start_running(request, num_computed, num_new, plan)
         return Admission.ADMITTED
@@ -436,6 +476,8 @@ class Scheduler(SchedulerInterface):
     def _start_running(self, request: Request, num_computed: int, num_new: int, plan: StepPlan) -> None:
         if self._blocked_since:
             self._blocked_since.pop(request.request_id, None)
+        if self._loaded_waiting:
+            self._loaded_waiting.discard(request.request_id)
         self.running.append(request)
         if request.status == RequestStatus.PREEMPTED:
             plan.resumed.append(request)
@@ -468,15 +510,34 @@ class Scheduler(SchedulerInterface):
             self._finish_remote_kv_load(request)
         return True
 
+    def _start_remote_kv_load(self, request: Request, num_computed: int) -> None:
+        """The request waits, holding its blocks, while the connector loads its KV."""
+        loads = self._remote_kv_loads
+        if len(loads) > 2 * len(self.requests):  # drop requests aborted while loading
+            self._remote_kv_loads = loads = {r: v for r, v in loads.items() if r in self.requests}
+        loads[request.request_id] = (num_computed, request.status)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
     def _finish_remote_kv_load(self, request: Request) -> None:
-        """Blocks loaded by the connector become the request's computed prefix."""
-        self.finished_recving_kv_req_ids.discard(request.request_id)
-        num_blocks = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, ()))
+        """Blocks loaded by the connector become the request's computed prefix.
+
+        When a load failed, the blocks before the first bad one enter the
+        prefix cache and all are released: the request starts over, finding
+        the good ones as local hits, and computes the rest."""
+        num_valid = self.finished_recving_kv_req_ids.pop(request.request_id)
+        num_loaded, status = self._remote_kv_loads.pop(request.request_id)
+        # Back from a swap: still preempted, so the runner resumes its state.
+        request.status = status
+        kv = self.kv_cache_manager
         # Keep at least one token to compute, so the request gets logits.
-        num_computed = min(num_blocks * self.block_size, request.num_tokens - 1)
-        self.kv_cache_manager.cache_blocks(request, num_computed)
+        num_computed = min(num_loaded, request.num_tokens - 1)
+        if num_valid is not None:
+            kv.cache_blocks(request, min(num_valid * self.block_size, num_computed))
+            kv.free(request)
+            return
+        kv.cache_blocks(request, num_computed)
         request.num_computed_tokens = num_computed
-        request.status = _WAITING
+        self._loaded_waiting.add(request.request_id)
 
     # ------------------------------------------------------------------
     # building the output
@@ -599,7 +660,10 @@ class Scheduler(SchedulerInterface):
 
     def has_requests(self) -> bool:
         # The interface's answer in one expression: an engine loop asks every step.
-        return bool(self.running or self.waiting or self.lifecycle.finished_req_ids)
+        # Blocks a KV connector still sends count: their frees come in steps.
+        lifecycle = self.lifecycle
+        return bool(self.running or self.waiting or lifecycle.finished_req_ids
+                    or lifecycle.sending_req_ids)
 
     def has_finished_requests(self) -> bool:
         return len(self.lifecycle.finished_req_ids) > 0
@@ -621,9 +685,16 @@ class Scheduler(SchedulerInterface):
             spec_decoding_stats=spec_decoding_stats,
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),
             num_preemptions=self._num_step_preemptions,
+            num_swapped_preemptions=self._take_num_swaps(),
             step_counter=self.step_counter,
             client_service=self._service_stats() if self._service_stats is not None else None,
+            connector_prefix_cache_stats=(self.connector.make_prefix_cache_stats()
+                                          if self.connector is not None else None),
         )
+
+    def _take_num_swaps(self) -> int:
+        num_swaps, self._num_swaps_unreported = self._num_swaps_unreported, 0
+        return num_swaps
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Cache events since the last call (including a reset between steps)."""

@@ -1,0 +1,297 @@
+"""The offloading connector, scheduler side: a host-memory KV tier behind the
+prefix cache, and swap preemption.
+
+- Saves (write-through): every full block a step computes is copied, after
+  the forward, to a tier slot keyed by the block's hash, unless the tier
+  already holds that hash. The tier evicts its least recently used blocks.
+- Tier hits: a prompt's blocks beyond the local prefix hits that the tier
+  holds are loaded instead of computed. The load is asynchronous for the
+  scheduler (the request waits in WAITING_FOR_REMOTE_KVS, usually one step),
+  so a failed load comes back as invalid blocks and is recomputed.
+- Swap: a preemption victim's KV (its partial last block too) is copied to
+  pinned slots before its blocks are reused, and loaded back, like a tier hit,
+  when the request is admitted again. Per victim the cost model picks swap or
+  recompute (``preemption_mode`` auto), or the mode forces one.
+
+Copy orders reach the worker in ``OffloadingMetadata``; the worker executes
+each step's orders in step order (swap-outs, then loads, before the forward;
+saves after it), so a slot written by one step is in place for any later
+step, and a slot this step reads is pinned until its orders are issued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cadence.core.kv_transfer.host_tier import HostTier
+from cadence.core.outputs import PrefixCacheStats
+from cadence.core.sched.kv_connector import KVConnectorBase, KVConnectorContext
+
+if TYPE_CHECKING:
+    from cadence.config import KVTransferConfig
+    from cadence.core.kv_cache.block_pool import KVCacheBlock
+    from cadence.core.kv_cache.manager import KVCacheManager
+    from cadence.core.outputs import KVConnectorOutput
+    from cadence.core.request import Request
+    from cadence.core.sched.output import SchedulerOutput
+
+# A copy order: (KV-cache block id, tier slot, the slot's tag).
+CopyOrder = tuple[int, int, int]
+
+
+@dataclass
+class OffloadingMetadata:
+    """One step's copy orders, executed in this order by the worker."""
+
+    swap_outs: list[CopyOrder] = field(default_factory=list)  # block -> slot, before loads
+    loads: dict[str, list[CopyOrder]] = field(default_factory=dict)  # slot -> block, per request
+    saves: list[CopyOrder] = field(default_factory=list)  # block -> slot, after the forward
+
+
+@dataclass
+class SwappedKV:
+    """A preempted request's KV in the tier: one pinned slot per block."""
+
+    num_tokens: int
+    slots: list[int]
+
+
+def tier_num_slots(offload_gib: float, bytes_per_block: int) -> int:
+    """Blocks of ``bytes_per_block`` that ``offload_gib`` GiB hold."""
+    return int(offload_gib * 2**30) // bytes_per_block
+
+
+def swap_is_cheaper(num_copy_tokens: int, num_copy_blocks: int, context: KVConnectorContext) -> bool:
+    """Whether copying ``num_copy_blocks`` out and back in is predicted to
+    take less time than computing ``num_copy_tokens`` again."""
+    if context.copy_bytes_per_second <= 0:
+        return False
+    copy_s = 2 * num_copy_blocks * context.bytes_per_block / context.copy_bytes_per_second
+    return copy_s <= num_copy_tokens * context.seconds_per_token
+
+
+class OffloadingConnector(KVConnectorBase):
+    """Plans the tier's saves, loads and swaps (see the module docstring)."""
+
+    def __init__(self, config: "KVTransferConfig", context: KVConnectorContext) -> None:
+        if config.kv_offload_size is None:
+            raise ValueError("kv_offload_size: the OffloadingConnector needs a tier size (GiB)")
+        if context.kv_role != "kv_both":
+            raise ValueError(f"kv_role: the OffloadingConnector saves and loads its own KV "
+                             f"(kv_both), not {context.kv_role}")
+        if config.kv_connector_extra_config:
+            raise ValueError(f"kv_connector_extra_config: the OffloadingConnector takes no options "
+                             f"(got {sorted(config.kv_connector_extra_config)[0]!r})")
+        self.context = context
+        self.block_size = context.block_size
+        self.mode = context.preemption_mode
+        self.tier = HostTier(tier_num_slots(config.kv_offload_size, context.bytes_per_block))
+        self.kv: KVCacheManager | None = None
+        self._requests: dict[str, Request] = {}  # admitted, not finished
+        self._num_checked_blocks: dict[str, int] = {}  # req_id -> full blocks saved or found
+        self._swapped: dict[str, SwappedKV] = {}
+        self._matched: dict[str, tuple[int, list[int]]] = {}  # req_id -> (first block, slots)
+        # Loads issued, not reported yet: req_id -> [(block id, slot)].
+        self._loading: dict[str, list[tuple[int, int]]] = {}
+        self._meta = OffloadingMetadata()
+        self._pinned_this_step: list[int] = []
+        self._stats = PrefixCacheStats()  # since the last make_prefix_cache_stats
+        self.num_hit_tokens = 0  # tier hits since start (swaps back included)
+        self.num_swapped_out = 0
+        self.num_swapped_blocks = 0
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        self.kv = kv_cache_manager
+
+    # ---- tier hits and swaps coming back -------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the local hits that the tier holds (a swap, else full
+        blocks by hash); loaded asynchronously."""
+        first = num_computed_tokens // self.block_size
+        swapped = self._swapped.get(request.request_id)
+        if swapped is not None:
+            return self._match_swapped(request, swapped, first)
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0, False  # every prompt position is computed for its logprobs
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.kv.block_hashes_of(request, max_blocks)
+        slots = []
+        for i in range(first, max_blocks):
+            slot = self.tier.lookup(hashes[i])
+            if slot is None:
+                break
+            slots.append(slot)
+        self._stats.record(request.num_tokens, len(slots) * self.block_size, False)
+        self.num_hit_tokens += len(slots) * self.block_size
+        if not slots:
+            return 0, False
+        self._matched[request.request_id] = (first, slots)
+        return len(slots) * self.block_size, True
+
+    def _match_swapped(self, request: "Request", swapped: SwappedKV, first: int) -> tuple[int, bool]:
+        num_tokens = min(swapped.num_tokens, request.num_tokens - 1)
+        num_external = num_tokens - first * self.block_size
+        self._stats.record(request.num_tokens, max(0, num_external), True)
+        self.num_hit_tokens += max(0, num_external)
+        if num_external <= 0:  # the local hits cover it: nothing to load
+            self._release_swap(request.request_id)
+            return 0, False
+        last = -(-num_tokens // self.block_size)
+        self._matched[request.request_id] = (first, swapped.slots[first:last])
+        return num_external, True
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "list[KVCacheBlock]", num_external_tokens: int
+    ) -> None:
+        """Plan the loads of the matched slots into the blocks just allocated."""
+        req_id = request.request_id
+        self._requests[req_id] = request
+        matched = self._matched.pop(req_id, None)
+        if not num_external_tokens or matched is None:
+            return
+        first, slots = matched
+        orders, loading = [], []
+        tier = self.tier
+        for block, slot in zip(blocks[first:first + len(slots)], slots):
+            tier.pin(slot)
+            tier.touch(slot)
+            self._pinned_this_step.append(slot)
+            orders.append((block.block_id, slot, tier.slot_tag[slot]))
+            loading.append((block.block_id, slot))
+        self._meta.loads[req_id] = orders
+        self._loading[req_id] = loading
+        self._release_swap(req_id)  # its slots stay pinned until the orders are issued
+
+    # ---- swap out --------------------------------------------------------
+
+    def request_preempted(self, request: "Request") -> bool:
+        """Swap the victim's KV out when the mode or the cost model says so
+        and the tier has room; False: it is recomputed."""
+        if not self._may_swap(request):
+            return False
+        num_tokens = request.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        block_ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
+        hashes = self.kv.block_hashes_of(request, num_tokens // self.block_size)
+        held = [self._tier_slot_of(hashes, i, num_tokens) for i in range(num_blocks)]
+        num_copies = held.count(None)
+        if self.mode == "auto" and not swap_is_cheaper(
+                num_copies * self.block_size, num_copies, self.context):
+            return False
+        slots = self._swap_slots(held, block_ids, hashes, num_tokens)
+        if slots is None:
+            return False  # the tier is full of pinned slots
+        self._swapped[request.request_id] = SwappedKV(num_tokens, slots)
+        self.num_swapped_out += 1
+        self.num_swapped_blocks += num_copies
+        return True
+
+    def _may_swap(self, request: "Request") -> bool:
+        if self.mode == "recompute" or request.num_computed_tokens <= 0:
+            return False
+        # Recomputed: prompt logprobs (emitted as computed), multimodal inputs,
+        # drafts in flight (their KV may be rejected).
+        return (request.sampling_params.prompt_logprobs is None and not request.mm_positions
+                and request.num_output_placeholders <= 1)
+
+    def _tier_slot_of(self, hashes: list[Any], index: int, num_tokens: int) -> int | None:
+        """The slot already holding block ``index`` (full blocks only)."""
+        if (index + 1) * self.block_size > num_tokens:
+            return None
+        return self.tier.lookup(hashes[index])
+
+    def _swap_slots(
+        self, held: list[int | None], block_ids: list[int], hashes: list[Any], num_tokens: int
+    ) -> list[int] | None:
+        """Pin the slots holding the victim's blocks, copying those not held
+        yet; None (nothing changed) when the tier runs out of slots."""
+        tier = self.tier
+        slots, orders = [], []
+        for i, slot in enumerate(held):
+            if slot is not None:
+                tier.pin(slot)
+            else:
+                slot = tier.allocate()
+                if slot is None:
+                    for taken in slots:
+                        tier.unpin(taken)
+                    return None
+                full = (i + 1) * self.block_size <= num_tokens
+                orders.append((block_ids[i], slot, tier.write(slot, hashes[i] if full else None)))
+            slots.append(slot)
+        self._meta.swap_outs.extend(orders)
+        return slots
+
+    def _release_swap(self, req_id: str) -> None:
+        swapped = self._swapped.pop(req_id, None)
+        if swapped is not None:
+            self._pinned_this_step.extend(swapped.slots)  # unpinned once the orders are issued
+
+    # ---- the step's orders -------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> OffloadingMetadata:
+        """This step's orders: swap-outs and loads planned while scheduling,
+        then saves of the blocks the step fills."""
+        self._plan_saves(scheduler_output.num_scheduled_tokens)
+        meta, self._meta = self._meta, OffloadingMetadata()
+        # The orders are issued: later steps' orders execute after them.
+        for slot in self._pinned_this_step:
+            self.tier.unpin(slot)
+        self._pinned_this_step = []
+        self._matched.clear()
+        return meta
+
+    def _plan_saves(self, num_scheduled_tokens: dict[str, int]) -> None:
+        tier, saves, checked = self.tier, self._meta.saves, self._num_checked_blocks
+        for req_id, num_new in num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue  # a forked child running on its parent's blocks
+            # Blocks full of known tokens once this step ran (not drafts, not placeholders).
+            num_full = min(request.num_tokens, request.num_computed_tokens + num_new) // self.block_size
+            first = checked.get(req_id, 0)
+            if num_full <= first:
+                continue
+            hashes = self.kv.block_hashes_of(request, num_full)
+            blocks = self.kv.req_to_blocks[req_id]
+            for i in range(first, num_full):
+                slot = tier.lookup(hashes[i])
+                if slot is not None:
+                    tier.touch(slot)
+                    continue
+                slot = tier.allocate()
+                if slot is None:
+                    num_full = i
+                    break
+                saves.append((blocks[i].block_id, slot, tier.write(slot, hashes[i])))
+                self._pinned_this_step.append(slot)
+            checked[req_id] = num_full
+
+    # ---- results and endings -------------------------------------------
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Loads that ended are forgotten; slots whose load failed are dropped
+        from the tier, so the request recomputes and nobody loads them again."""
+        invalid = connector_output.invalid_block_ids or ()
+        for req_id in connector_output.finished_recving or ():
+            for block_id, slot in self._loading.pop(req_id, ()):
+                if block_id in invalid:
+                    self.tier.invalidate(slot)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._num_checked_blocks.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        self._loading.pop(req_id, None)
+        swapped = self._swapped.pop(req_id, None)
+        if swapped is not None:
+            for slot in swapped.slots:
+                self.tier.unpin(slot)
+        return False, None
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self._stats = self._stats, PrefixCacheStats()
+        return stats

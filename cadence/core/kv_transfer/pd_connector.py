@@ -1,0 +1,255 @@
+"""Prefill/decode disaggregation, scheduler side: the prompt's KV is computed
+by a *prefill* engine (``kv_producer``) and pulled by a *decode* engine
+(``kv_consumer``), as vLLM's NixlConnector does it.
+
+    client/proxy ──{do_remote_decode}, max_tokens=1──► prefill engine
+                 ◄──kv_transfer_params─── request_finished: blocks held, where they are
+    client/proxy ──kv_transfer_params──► decode engine
+        get_num_new_matched_tokens: the prompt is external, loaded asynchronously
+        (WAITING_FOR_REMOTE_KVS while its worker pulls the blocks), then decodes;
+        the prefill engine frees its blocks once they are pulled (or its hold times out).
+
+The kv_transfer_params (vLLM's names):
+
+- to the prefill engine: ``{"do_remote_decode": true}``;
+- back from it, to pass on to the decode engine: ``do_remote_prefill``,
+  ``remote_request_id``, ``remote_block_ids``, ``remote_host``,
+  ``remote_port``, ``remote_engine_id``, plus cadence's ``remote_num_tokens``,
+  ``remote_block_size`` and ``remote_prompt_digest`` (what the blocks hold:
+  a decode request whose prompt differs computes its prompt itself instead).
+
+The worker side (``cadence.runner.kv_transfer.pd_worker``) reads the
+``PDConnectorMetadata`` of each step: blocks to hold for sending, loads to
+start, peers to tell that their blocks are not needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from cadence.core.request import RequestStatus
+from cadence.core.sched.kv_connector import KVConnectorBase
+
+if TYPE_CHECKING:
+    from cadence.config import KVTransferConfig
+    from cadence.core.kv_cache.block_pool import KVCacheBlock
+    from cadence.core.request import Request
+    from cadence.core.sched.kv_connector import KVConnectorContext
+    from cadence.core.sched.output import SchedulerOutput
+
+logger = logging.getLogger("cadence.kv_transfer")
+
+PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
+_REMOTE_FIELDS = ("remote_request_id", "remote_block_ids", "remote_host", "remote_port",
+                  "remote_num_tokens", "remote_block_size", "remote_prompt_digest")
+TRANSPORTS = ("zmq",)
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """The connector's own options (``kv_connector_extra_config``)."""
+
+    kv_host: str = "127.0.0.1"  # where a producer serves its blocks (told to decoders)
+    kv_port: int = 14579  # vLLM's default kv_port
+    engine_id: str | None = None  # this engine's name to its peers (default host:port)
+    transport: str = "zmq"
+    # How long a decode engine waits for a prompt's blocks before computing it.
+    transfer_timeout_s: float = 10.0
+    # How long a prefill engine holds a finished prompt's blocks for a decoder.
+    hold_timeout_s: float = 120.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "PDOptions":
+        """ValueError naming ``kv_connector_extra_config.<key>`` for a bad one."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config.{unknown[0]}: unknown option of the "
+                             f"PDConnector (known: {', '.join(sorted(known))})")
+        options = cls(**extra)
+        options._check()
+        return options
+
+    def _check(self) -> None:
+        def require(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"kv_connector_extra_config.{name}: {what}, "
+                                 f"got {getattr(self, name)!r}")
+        require(isinstance(self.kv_host, str) and bool(self.kv_host), "kv_host", "must be a host name")
+        require(_is_int(self.kv_port) and 0 < self.kv_port < 65536, "kv_port", "must be a TCP port")
+        require(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}")
+        for name in ("transfer_timeout_s", "hold_timeout_s"):
+            value = getattr(self, name)
+            require(_is_number(value) and value > 0, name, "must be a positive number of seconds")
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.kv_host}:{self.kv_port}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RemoteBlocks:
+    """Blocks to pull from a peer into ``local_block_ids`` (same length);
+    both empty: only tell the peer its blocks are no longer needed."""
+
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_address: str
+    remote_request_id: str
+
+
+@dataclass
+class PDConnectorMetadata:
+    """One step's work for the worker side."""
+
+    # req_id -> block ids to serve to a decode engine until it pulls them.
+    holds: dict[str, list[int]] = field(default_factory=dict)
+    loads: list[RemoteBlocks] = field(default_factory=list)
+
+
+def check_kv_transfer_params(params: Any, role: str | None) -> None:
+    """ValueError naming ``kv_transfer_params`` when an engine of ``role`` cannot
+    act on them."""
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params: must be an object")
+    if params.get("do_remote_decode") and role == CONSUMER:
+        raise ValueError("kv_transfer_params: do_remote_decode asks a prefill instance, "
+                         "and this one is a kv_consumer")
+    if not params.get("do_remote_prefill"):
+        return
+    if role == PRODUCER:
+        raise ValueError("kv_transfer_params: do_remote_prefill asks a decode instance, "
+                         "and this one is a kv_producer")
+    missing = [name for name in _REMOTE_FIELDS if params.get(name) is None]
+    if missing:
+        raise ValueError(f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)}")
+    ids = params["remote_block_ids"]
+    if not isinstance(ids, list) or not all(_is_int(b) and b >= 0 for b in ids):
+        raise ValueError("kv_transfer_params: remote_block_ids must be a list of block ids")
+    for name in ("remote_port", "remote_num_tokens", "remote_block_size"):
+        if not _is_int(params[name]) or params[name] <= 0:
+            raise ValueError(f"kv_transfer_params: {name} must be a positive integer")
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """A short fingerprint of a prompt: the decode engine loads KV only for the
+    very prompt it was computed for."""
+    return hashlib.blake2b(repr(token_ids).encode(), digest_size=12).hexdigest()
+
+
+class PDConnectorScheduler(KVConnectorBase):
+    """Hold a finished prefill's blocks for a peer; load a decode's prompt from one."""
+
+    # The server accepts a request's kv_transfer_params when the engine's connector reads them.
+    reads_kv_transfer_params = True
+
+    def __init__(self, config: "KVTransferConfig", context: "KVConnectorContext") -> None:
+        self.role = config.kv_role or BOTH
+        self.block_size = context.block_size
+        self.options = PDOptions.from_extra(config.kv_connector_extra_config)
+        self.engine_id = self.options.engine_id or f"{self.options.kv_host}:{self.options.kv_port}"
+        self._meta = PDConnectorMetadata()
+        # Requests whose remote prompt was already asked for (one that comes
+        # back, after a failed load or a preemption, computes it here).
+        self._asked: set[str] = set()
+
+    @staticmethod
+    def check_kv_transfer_params(params: Any, config: "KVTransferConfig") -> None:
+        """The front end's check of a request's params (ValueError naming the field)."""
+        check_kv_transfer_params(params, config.kv_role or BOTH)
+
+    # ------------------------------------------------------------ decode side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        if not self._matches(request):
+            return 0, False  # not this prompt's KV: computed here instead
+        num_external = request.num_prompt_tokens - num_computed_tokens
+        # The last prompt token is computed here anyway (its logits give the
+        # first output token): a load of that token alone would gain nothing.
+        return (num_external, True) if num_external > 1 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "list[KVCacheBlock]",
+                                 num_external_tokens: int) -> None:
+        params = self._remote_prefill(request)
+        if params is None:
+            return
+        self._asked.add(request.request_id)
+        address = f"tcp://{params['remote_host']}:{params['remote_port']}"
+        remote_request_id = str(params["remote_request_id"])
+        if num_external_tokens <= 0:  # all local (or refused): the peer may free its blocks
+            self._meta.loads.append(RemoteBlocks(request.request_id, [], [], address,
+                                                 remote_request_id))
+            return
+        first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        local = [block.block_id for block in blocks[first:num_blocks]]
+        remote = list(params["remote_block_ids"][first:num_blocks])
+        self._meta.loads.append(RemoteBlocks(request.request_id, local, remote, address,
+                                             remote_request_id))
+
+    def _remote_prefill(self, request: "Request") -> dict | None:
+        """The request's params when it is to load its prompt from a peer (once)."""
+        params = request.kv_transfer_params
+        if (self.role == PRODUCER or not params or not params.get("do_remote_prefill")
+                or request.request_id in self._asked):
+            return None
+        try:
+            check_kv_transfer_params(params, self.role)
+        except ValueError as err:
+            logger.warning("kv transfer: %s computes its prompt here: %s", request.request_id, err)
+            return None
+        return params
+
+    def _matches(self, request: "Request") -> bool:
+        """Whether the peer's blocks hold this very prompt's KV."""
+        params = self._remote_prefill(request)
+        if params is None:
+            return False
+        num_prompt = request.num_prompt_tokens
+        return (params["remote_num_tokens"] == num_prompt
+                and params["remote_block_size"] == self.block_size
+                and len(params["remote_block_ids"]) >= -(-num_prompt // self.block_size)
+                and params["remote_prompt_digest"] == prompt_digest(request.prompt_token_ids))
+
+    # ------------------------------------------------------------ prefill side
+
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._asked.discard(request.request_id)
+        params = request.kv_transfer_params
+        if (self.role == CONSUMER or not params or not params.get("do_remote_decode")
+                or request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids):
+            # Aborted, or stopped on its first token: nothing left to decode elsewhere.
+            return False, None
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        self._meta.holds[request.request_id] = list(block_ids)
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids[:num_blocks]),
+            "remote_num_tokens": request.num_prompt_tokens,
+            "remote_block_size": self.block_size,
+            "remote_prompt_digest": prompt_digest(request.prompt_token_ids),
+            "remote_host": self.options.kv_host, "remote_port": self.options.kv_port,
+            "remote_engine_id": self.engine_id,
+        }
+
+    # ------------------------------------------------------------ each step
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
+        meta, self._meta = self._meta, PDConnectorMetadata()
+        return meta

@@ -1,0 +1,471 @@
+/* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
+ *
+ * Each weight row is K values stored as K/32 groups of 32 (one block of
+ * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K super-block). Two paths,
+ * each reading every weight byte from memory once per call:
+ *
+ *     M <= 4 (decode, AVX2)   each group of a weight row decoded into four
+ *                             registers and used at once by the M rows of x
+ *     more rows               a thread decodes a tile of up to 32 weight rows
+ *                             to float32 (<= 96 KiB, in L2) and multiplies it
+ *                             with every row of x: decoded once per call
+ *
+ *     weight rows  ──tile of TN rows──▶ decode (float32) ──▶ register tiles
+ *     n0 .. n0+TN                                            (rows of x by rows of the tile)
+ *
+ * With AVX2 and FMA in -march the tile is k-major panels of 16 rows and the
+ * register tiles are 6 rows of x by 16 weight rows (broadcast x, no
+ * horizontal sums); elsewhere plain C dot products over row-major tiles.
+ * ``quant_matmul_isa`` names the one built. Values decode as ggml's
+ * dequantize_row_* (and the gguf package) compute them, so results match
+ * dequantize-then-matmul up to the order of the float32 sums.
+ *
+ * Threads: OpenMP over weight rows or tiles. Loaded after torch, the library
+ * shares torch's libgomp and its thread count.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#endif
+
+/* ggml's type ids (GGMLQuantizationType). */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };
+#define GROUP 32
+/* Multiply-adds below which a call stays on one thread. */
+#define PARALLEL_MIN_MACS (1 << 16)
+/* Most float32 bytes one thread's decoded tile may take (it stays in L2). */
+#define TILE_BYTES (96 * 1024)
+
+static inline float f16_to_float(uint16_t half) {
+#if defined(QUANT_AVX2) && defined(__F16C__)
+    return _cvtsh_ss(half);
+#endif
+    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+    uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        float tiny = (float)mantissa * 5.9604644775390625e-08f; /* subnormal: mantissa * 2^-24 */
+        return sign ? -tiny : tiny;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline float f16_at(const uint8_t *bytes) {
+    uint16_t half;
+    memcpy(&half, bytes, sizeof half);
+    return f16_to_float(half);
+}
+
+/* ---------------------------------------------------------------- group decoders
+ * Group g (values 32g .. 32g+31) of one weight row into out[32]. */
+
+static inline void decode_q8_0(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + g * 34; /* half d; int8 q[32] */
+    const float d = f16_at(block);
+    const int8_t *q = (const int8_t *)(block + 2);
+    for (int i = 0; i < GROUP; ++i) out[i] = (float)q[i] * d;
+}
+
+static inline void decode_q4_0(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + g * 18; /* half d; low nibbles are values 0..15, high 16..31 */
+    const float d = f16_at(block);
+    const uint8_t *q = block + 2;
+    for (int i = 0; i < GROUP / 2; ++i) {
+        out[i] = (float)((int)(q[i] & 15) - 8) * d;
+        out[i + GROUP / 2] = (float)((int)(q[i] >> 4) - 8) * d;
+    }
+}
+
+static inline void decode_q4_1(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + g * 20; /* half d, m; nibbles as Q4_0; y = q d + m */
+    const float d = f16_at(block), m = f16_at(block + 2);
+    const uint8_t *q = block + 4;
+    for (int i = 0; i < GROUP / 2; ++i) {
+        out[i] = (float)(q[i] & 15) * d + m;
+        out[i + GROUP / 2] = (float)(q[i] >> 4) * d + m;
+    }
+}
+
+/* Q4_K super-block (256 values, 144 bytes): half d, dmin; 12 bytes holding eight
+ * 6-bit scales and eight 6-bit mins; 128 bytes of nibbles. Sub-block j (32 values)
+ * is y = d*scale_j*q - dmin*min_j, its nibbles the low (j even) or high (j odd)
+ * halves of bytes 32*(j/2) .. 32*(j/2)+31. */
+static inline void q4_k_scale_min(const uint8_t *packed, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = packed[j] & 63;
+        *min = packed[j + 4] & 63;
+    } else {
+        *scale = (packed[j + 4] & 15) | ((packed[j - 4] >> 6) << 4);
+        *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+    }
+}
+
+static inline void decode_q4_k(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + (g / 8) * 144, *packed = block + 4;
+    const int j = (int)(g % 8);
+    int scale, min;
+    q4_k_scale_min(packed, j, &scale, &min);
+    const float d = f16_at(block) * (float)scale, offset = f16_at(block + 2) * (float)min;
+    const uint8_t *q = block + 16 + 32 * (j / 2);
+    const int shift = (j & 1) * 4;
+    for (int i = 0; i < GROUP; ++i) out[i] = (float)((q[i] >> shift) & 15) * d - offset;
+}
+
+static int64_t row_bytes(int type, int64_t k) {
+    switch (type) {
+    case TYPE_Q8_0: return k / 32 * 34;
+    case TYPE_Q4_0: return k / 32 * 18;
+    case TYPE_Q4_1: return k / 32 * 20;
+    case TYPE_Q4_K: return k / 256 * 144;
+    default: return -1;
+    }
+}
+
+#ifdef QUANT_AVX2
+/* The same groups as four vectors of 8 floats, in registers (AVX2). */
+static inline __m256 bytes_to_floats(__m128i bytes, int is_signed) {
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+}
+
+/* v[0..3] <- values 0..31 of 32 bytes of small integers, times d plus m. */
+static inline void scale_bytes(__m256i bytes, int is_signed, float d, float m, __m256 v[4]) {
+    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(bytes_to_floats(parts[j], is_signed), dv, mv);
+}
+
+/* 16 bytes of nibble pairs -> 32 bytes: low nibbles first, then high ones. */
+static inline __m256i split_nibbles(const uint8_t *q) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    return _mm256_set_m128i(high, low);
+}
+
+static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __m256 v[4]) {
+    switch (type) {
+    case TYPE_Q8_0: {
+        const uint8_t *block = row + g * 34;
+        scale_bytes(_mm256_loadu_si256((const __m256i *)(block + 2)), 1, f16_at(block), 0.0f, v);
+        break;
+    }
+    case TYPE_Q4_0: {
+        const uint8_t *block = row + g * 18;
+        const __m256i centred = _mm256_sub_epi8(split_nibbles(block + 2), _mm256_set1_epi8(8));
+        scale_bytes(centred, 1, f16_at(block), 0.0f, v);
+        break;
+    }
+    case TYPE_Q4_1: {
+        const uint8_t *block = row + g * 20;
+        scale_bytes(split_nibbles(block + 4), 0, f16_at(block), f16_at(block + 2), v);
+        break;
+    }
+    case TYPE_Q4_K: {
+        const uint8_t *block = row + (g / 8) * 144;
+        const int j = (int)(g % 8);
+        int scale, min;
+        q4_k_scale_min(block + 4, j, &scale, &min);
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * (j / 2)));
+        const __m256i nibbles = _mm256_and_si256(_mm256_srli_epi16(packed, (j & 1) * 4), _mm256_set1_epi8(15));
+        scale_bytes(nibbles, 0, f16_at(block) * (float)scale, -f16_at(block + 2) * (float)min, v);
+        break;
+    }
+    }
+}
+
+/* One whole row of K values into out[K] (32-byte aligned). */
+static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict out) {
+    for (int64_t g = 0; g < k / GROUP; ++g) {
+        __m256 v[4];
+        decode_group_avx2(type, row, g, v);
+        for (int j = 0; j < 4; ++j) _mm256_store_ps(out + g * GROUP + 8 * j, v[j]);
+    }
+}
+#else
+/* One whole row of K values into out[K]; the switch sits outside the loops. */
+static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict out) {
+    const int64_t groups = k / GROUP;
+    switch (type) {
+    case TYPE_Q8_0: for (int64_t g = 0; g < groups; ++g) decode_q8_0(row, g, out + g * GROUP); break;
+    case TYPE_Q4_0: for (int64_t g = 0; g < groups; ++g) decode_q4_0(row, g, out + g * GROUP); break;
+    case TYPE_Q4_1: for (int64_t g = 0; g < groups; ++g) decode_q4_1(row, g, out + g * GROUP); break;
+    case TYPE_Q4_K: for (int64_t g = 0; g < groups; ++g) decode_q4_k(row, g, out + g * GROUP); break;
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- dot products
+ * R rows of x (row stride xs) against C decoded rows of w (contiguous, K each):
+ * out[r * os + c] = sum_k x[r][k] w[c][k]. K is a multiple of 32. */
+
+#ifdef QUANT_AVX2
+static const char ISA[] = "AVX2 FMA";
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#else
+#define DEFINE_DOT(R, C)                                                                          \
+    static void dot_##R##x##C(const float *x, int64_t xs, const float *w, int64_t k, float *out,   \
+                              int64_t os) {                                                       \
+        for (int r = 0; r < R; ++r)                                                               \
+            for (int c = 0; c < C; ++c) {                                                         \
+                const float *xr = x + r * xs, *wc = w + c * k;                                    \
+                float sum = 0.0f;                                                                 \
+                for (int64_t i = 0; i < k; ++i) sum += xr[i] * wc[i];                             \
+                out[r * os + c] = sum;                                                            \
+            }                                                                                     \
+    }
+static const char ISA[] = "portable C";
+
+DEFINE_DOT(4, 2)
+DEFINE_DOT(4, 1)
+DEFINE_DOT(1, 4)
+DEFINE_DOT(1, 1)
+#endif
+
+const char *quant_matmul_isa(void) { return ISA; }
+
+#ifdef QUANT_AVX2
+/* Many rows of x, AVX2: the tile is stored as panels of PANEL weight rows,
+ * k-major (panel[i * PANEL + j] = value i of the panel's row j; rows past the
+ * last are zeros), and R x 16 register tiles (R <= 6: 12 accumulators)
+ * multiply x's rows: one broadcast value of x against two vectors of the
+ * panel per step, no horizontal sums. A group of 32 values of the panel's 16
+ * rows is decoded to a 16 x 32 scratch (L1), then transposed 8 x 8 at a time. */
+#define PANEL 16
+#define TILE_MULTIPLE PANEL
+
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+static void decode_tile(int type, const uint8_t *weight, int64_t stride, int64_t rows, int64_t k,
+                        float *tile) {
+    float scratch[PANEL * GROUP] __attribute__((aligned(32)));
+    for (int64_t p = 0; p * PANEL < rows; ++p) {
+        float *panel = tile + p * PANEL * k;
+        for (int64_t g = 0; g < k / GROUP; ++g) {
+            for (int64_t j = 0; j < PANEL; ++j) {
+                __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                if (p * PANEL + j < rows) decode_group_avx2(type, weight + (p * PANEL + j) * stride, g, v);
+                for (int q = 0; q < 4; ++q) _mm256_store_ps(scratch + j * GROUP + 8 * q, v[q]);
+            }
+            for (int h = 0; h < 2; ++h)
+                for (int q = 0; q < 4; ++q) {
+                    __m256 block[8];
+                    for (int i = 0; i < 8; ++i) block[i] = _mm256_load_ps(scratch + (8 * h + i) * GROUP + 8 * q);
+                    transpose8(block);
+                    for (int i = 0; i < 8; ++i)
+                        _mm256_store_ps(panel + (g * GROUP + 8 * q + i) * PANEL + 8 * h, block[i]);
+                }
+        }
+    }
+}
+
+#define DEFINE_PANEL(R)                                                                           \
+    static void panel_##R(const float *x, int64_t xs, const float *panel, int64_t k, float *out) { \
+        __m256 acc[R][2];                                                                         \
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
+        for (int64_t i = 0; i < k; ++i) {                                                         \
+            const __m256 w0 = _mm256_load_ps(panel + i * PANEL), w1 = _mm256_load_ps(panel + i * PANEL + 8); \
+            for (int r = 0; r < R; ++r) {                                                         \
+                const __m256 xb = _mm256_broadcast_ss(x + r * xs + i);                            \
+                acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);                                   \
+                acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);                                   \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; ++r) {                                                             \
+            _mm256_store_ps(out + r * PANEL, acc[r][0]);                                          \
+            _mm256_store_ps(out + r * PANEL + 8, acc[r][1]);                                      \
+        }                                                                                         \
+    }
+DEFINE_PANEL(6)
+DEFINE_PANEL(4)
+DEFINE_PANEL(2)
+DEFINE_PANEL(1)
+
+/* x [m, k] against a decoded tile of tn rows: out[:, 0:tn] (row stride os). */
+static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *tile, int64_t tn,
+                          int64_t k, float *out, int64_t os) {
+    float result[6 * PANEL] __attribute__((aligned(32)));
+    for (int64_t p = 0; p * PANEL < tn; ++p) {
+        const float *panel = tile + p * PANEL * k;
+        const int64_t cols = tn - p * PANEL < PANEL ? tn - p * PANEL : PANEL;
+        for (int64_t r = 0; r < m;) {
+            const int64_t left = m - r, step = left >= 6 ? 6 : (left >= 4 ? 4 : (left >= 2 ? 2 : 1));
+            const float *xr = x + r * xs;
+            switch (step) {
+            case 6: panel_6(xr, xs, panel, k, result); break;
+            case 4: panel_4(xr, xs, panel, k, result); break;
+            case 2: panel_2(xr, xs, panel, k, result); break;
+            default: panel_1(xr, xs, panel, k, result); break;
+            }
+            for (int64_t i = 0; i < step; ++i)
+                memcpy(out + (r + i) * os + p * PANEL, result + i * PANEL, (size_t)cols * sizeof(float));
+            r += step;
+        }
+    }
+}
+#else
+/* Many rows of x, portable: the tile is tn decoded rows, each row of x dotted with them. */
+#define TILE_MULTIPLE 2
+
+static void decode_tile(int type, const uint8_t *weight, int64_t stride, int64_t rows, int64_t k,
+                        float *tile) {
+    for (int64_t c = 0; c < rows; ++c) decode_row(type, weight + c * stride, k, tile + c * k);
+}
+
+/* x [m, k] against a decoded tile [tn, k]: out[:, 0:tn] (row stride os). */
+static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *tile, int64_t tn,
+                          int64_t k, float *out, int64_t os) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) {
+        int64_t c = 0;
+        for (; c + 2 <= tn; c += 2) dot_4x2(x + r * xs, xs, tile + c * k, k, out + r * os + c, os);
+        for (; c < tn; ++c) dot_4x1(x + r * xs, xs, tile + c * k, k, out + r * os + c, os);
+    }
+    for (; r < m; ++r) {
+        int64_t c = 0;
+        for (; c + 4 <= tn; c += 4) dot_1x4(x + r * xs, xs, tile + c * k, k, out + r * os + c, os);
+        for (; c < tn; ++c) dot_1x1(x + r * xs, xs, tile + c * k, k, out + r * os + c, os);
+    }
+}
+#endif
+
+#ifdef QUANT_AVX2
+/* Few rows of x (decode): each group of a weight row is decoded in registers and
+ * used at once by the R rows; A accumulators per row hide the FMA latency. */
+#define DEFINE_DIRECT(R, A)                                                                       \
+    static void direct_##R(int type, const uint8_t *row, int64_t k, const float *x, int64_t xs,   \
+                           float *out, int64_t os) {                                              \
+        __m256 acc[R][A];                                                                         \
+        for (int r = 0; r < R; ++r)                                                               \
+            for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();                          \
+        for (int64_t g = 0; g < k / GROUP; ++g) {                                                 \
+            __m256 v[4];                                                                          \
+            decode_group_avx2(type, row, g, v);                                                   \
+            for (int r = 0; r < R; ++r)                                                           \
+                for (int j = 0; j < 4; ++j)                                                       \
+                    acc[r][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * xs + g * GROUP + 8 * j), \
+                                                    v[j], acc[r][j % A]);                         \
+        }                                                                                         \
+        for (int r = 0; r < R; ++r) {                                                             \
+            __m256 sum = acc[r][0];                                                               \
+            for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][a]);                      \
+            out[r * os] = hsum(sum);                                                              \
+        }                                                                                         \
+    }
+DEFINE_DIRECT(1, 4)
+DEFINE_DIRECT(2, 2)
+DEFINE_DIRECT(4, 2)
+
+/* out[0:m, n] for one weight row, m <= 4. */
+static void direct_row(int type, const uint8_t *row, int64_t k, const float *x, int64_t m, int64_t xs,
+                       float *out, int64_t os) {
+    switch (m) {
+    case 1: direct_1(type, row, k, x, xs, out, os); break;
+    case 2: direct_2(type, row, k, x, xs, out, os); break;
+    case 3: direct_2(type, row, k, x, xs, out, os); direct_1(type, row, k, x + 2 * xs, xs, out + 2 * os, os); break;
+    case 4: direct_4(type, row, k, x, xs, out, os); break;
+    }
+}
+#define DIRECT_MAX_ROWS 4
+#else
+#define DIRECT_MAX_ROWS 0
+static void direct_row(int type, const uint8_t *row, int64_t k, const float *x, int64_t m, int64_t xs,
+                       float *out, int64_t os) {
+    (void)type, (void)row, (void)k, (void)x, (void)m, (void)xs, (void)out, (void)os;
+}
+#endif
+
+/* ---------------------------------------------------------------- entry points */
+
+/* Each thread's tile buffer, grown as needed and kept (32-byte aligned). */
+static float *thread_tile(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (floats > capacity) {
+        free(buffer);
+        buffer = NULL;
+        capacity = 0;
+        if (posix_memalign((void **)&buffer, 64, (size_t)floats * sizeof(float))) return NULL;
+        capacity = floats;
+    }
+    return buffer;
+}
+
+/* As many weight rows as fit TILE_BYTES (each decoded row then serves all m rows
+ * of x), at most 32, a multiple of TILE_MULTIPLE and at least one multiple. */
+static int64_t tile_rows(int64_t k) {
+    int64_t rows = TILE_BYTES / (k * (int64_t)sizeof(float));
+    rows = rows > 32 ? 32 : rows;
+    rows -= rows % TILE_MULTIPLE;
+    return rows < TILE_MULTIPLE ? TILE_MULTIPLE : rows;
+}
+
+/* out [m, n] (row stride out_stride) = x [m, k] (row stride x_stride) @ W^T, W being
+ * n rows of k values in ``type`` blocks at ``weight``. Returns 0, -1 for a type or
+ * k it cannot take, -2 when a tile buffer cannot be allocated. */
+int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t m,
+                 int64_t x_stride, float *out, int64_t out_stride) {
+    const int64_t stride = row_bytes(type, k);
+    if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
+    if (m <= DIRECT_MAX_ROWS) {
+        #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+        for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, k, x, m, x_stride, out + c, out_stride);
+        return 0;
+    }
+    const int64_t tn = tile_rows(k), num_tiles = (n + tn - 1) / tn;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        float *tile = thread_tile(tn * k);
+        if (tile == NULL) {
+            failed = 1;
+            continue;
+        }
+        const int64_t first = t * tn, rows = n - first < tn ? n - first : tn;
+        decode_tile(type, weight + first * stride, stride, rows, k, tile);
+        multiply_tile(x, m, x_stride, tile, rows, k, out + first, out_stride);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Rows ids[0..count) of W decoded to out [count, k] (an embedding lookup). */
+int quant_dequantize_rows(int type, const uint8_t *weight, int64_t k, const int64_t *ids, int64_t count,
+                          float *out) {
+    const int64_t stride = row_bytes(type, k);
+    if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
+    #pragma omp parallel for schedule(static) if (count * k >= PARALLEL_MIN_MACS)
+    for (int64_t i = 0; i < count; ++i) decode_row(type, weight + ids[i] * stride, k, out + i * k);
+    return 0;
+}

@@ -1,0 +1,109 @@
+"""Matmuls on GGUF's quantized blocks in C, for the CPU (``cadence/kernels/csrc/quant_matmul.c``).
+
+``x [M, K] @ W^T`` with W kept as ggml blocks (Q8_0, Q4_0, Q4_1, Q4_K): each
+thread decodes a few weight rows at a time to float32 and multiplies them
+with every row of x, so the weight's bytes are read once per call (the cost
+of a decode step) and its decoding is shared by all rows (prefill, batches).
+Built with AVX2 FMA register tiles where the build's ``-march`` has them,
+as plain C otherwise (``isa`` says which). ``quant_matmul()`` is None where
+the library cannot be built; callers then dequantize in PyTorch.
+
+Types are passed as ggml's numeric ids (``GGMLQuantizationType`` values),
+so this module needs nothing of the ``gguf`` package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from cadence.kernels import build
+
+# ggml type id -> (name, values per block, bytes per block)
+KERNEL_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
+_PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    # type, weight, n, k, x, m, x_stride, out, out_stride
+    "quant_matmul": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    # type, weight, k, ids, count, out
+    "quant_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _PTR],
+}
+
+
+class QuantMatmul:
+    """The library's functions with tensor arguments (float32 activations)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = ctypes.c_int, argtypes
+            self._functions[name] = function
+        self._matmul = self._functions["quant_matmul"]
+        describe = library.quant_matmul_isa
+        describe.restype, describe.argtypes = ctypes.c_char_p, []
+        self.isa: str = describe().decode()
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+        """float32 ``x [M, k] @ W^T`` -> [M, N], W being ``blocks`` uint8 [N, row bytes] of ``type_id``."""
+        check_blocks(blocks, type_id, k)
+        return self.matmul_checked_blocks(x, blocks, type_id, k)
+
+    def matmul_checked_blocks(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+        """``matmul`` for blocks the caller has passed through ``check_blocks`` once (a model's
+        weights, at load): a decode step makes hundreds of these calls, each a few microseconds."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"quant_matmul: x must be float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        n = blocks.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        status = self._matmul(type_id, blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], k, out.data_ptr(), n)
+        if status:
+            _check_status(status)
+        return out
+
+    def dequantize_rows(self, blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, any shape) of W as float32 [*ids.shape, k] (an embedding lookup)."""
+        check_blocks(blocks, type_id, k)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= blocks.shape[0]):
+            raise IndexError(f"quant_dequantize_rows: ids out of range [0, {blocks.shape[0]})")
+        out = torch.empty(flat.numel(), k, dtype=torch.float32)
+        status = self._functions["quant_dequantize_rows"](
+            type_id, blocks.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr())
+        _check_status(status)
+        return out.reshape(*ids.shape, k)
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    """Bytes one row of ``k`` values takes in blocks of ``type_id``."""
+    _, values, size = KERNEL_TYPES[type_id]
+    return k // values * size
+
+
+def check_blocks(blocks: torch.Tensor, type_id: int, k: int) -> None:
+    """ValueError unless ``blocks`` holds rows of ``k`` values of ``type_id`` as the kernel reads them."""
+    if type_id not in KERNEL_TYPES:
+        raise ValueError(f"quant_matmul: no kernel for ggml type {type_id}")
+    name, values, _ = KERNEL_TYPES[type_id]
+    if k % values or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() \
+            or blocks.shape[1] != row_bytes(type_id, k):
+        raise ValueError(f"quant_matmul: {name} rows of {k} values must be contiguous uint8 "
+                         f"[N, {row_bytes(type_id, k) if k % values == 0 else '?'}], got "
+                         f"{blocks.dtype} {tuple(blocks.shape)}")
+
+
+def _check_status(status: int) -> None:
+    if status == -2:
+        raise MemoryError("quant_matmul: no memory for a tile buffer")
+    if status != 0:
+        raise ValueError(f"quant_matmul: the kernel refused its arguments (status {status})")
+
+
+@functools.cache
+def quant_matmul(march: str = "native") -> QuantMatmul | None:
+    """The compiled functions, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
+    library = build.load("quant_matmul", march)
+    return None if library is None else QuantMatmul(library)

@@ -1,0 +1,208 @@
+"""GGUF weights kept in their quantized blocks, and the products that read them.
+
+With ``quantization`` ``auto`` or ``gguf`` (see ``QUANTIZATION_MODES``) the
+GGUF loader hands a ``QuantizedTensor`` (ggml's raw blocks, one row of the
+matrix per row of bytes) for every matmul weight of a type in
+``KERNEL_TYPES``; ``Linear`` and ``Embedding`` keep it instead of a float
+copy, so a Q4 model takes about its file size in memory. The products:
+
+    C kernel   ``cadence.kernels.quant_matmul``: blocks decoded in registers
+               (few rows) or per tile (many rows), AVX2 FMA or portable C
+    PyTorch    the matrix dequantized for each call (``dequantize``), then
+               ``F.linear``: slow, for machines without a C compiler
+
+Both compute in float32 (x cast up, the result cast back to x's dtype); they
+equal dequantize-at-load up to the order of the float32 sums.
+
+A fused projection (q|k|v, gate|up) whose shards differ in type (Q4_K_M
+files store v_proj in another type than q_proj) keeps one part per run of
+same-typed shards; a shard of a type without a kernel (``auto``) is a float
+part. The parts' outputs are concatenated.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as GGMLType
+
+from cadence.kernels.quant_matmul import check_blocks
+from cadence.models.dequant import FLOAT_TYPES
+
+if TYPE_CHECKING:
+    from cadence.kernels.quant_matmul import QuantMatmul
+
+# none: dequantize every GGUF at load. auto: keep the types below quantized,
+# dequantize others. gguf: keep them, refuse a quantized type without a kernel.
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A [rows, cols] matrix as ggml blocks: ``blocks`` uint8 [rows, bytes per row]."""
+
+    ggml_type: GGMLType
+    blocks: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.ggml_type in KERNEL_TYPES:
+            check_blocks(self.blocks, int(self.ggml_type), self.cols)  # once, not per product
+
+    @classmethod
+    def from_gguf(cls, ggml_type: GGMLType, data: np.ndarray, shape: tuple[int, int]) -> "QuantizedTensor":
+        """From a GGUF tensor's raw bytes (copied: the result owns its memory)."""
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(shape[0], -1))
+        return cls(ggml_type, raw, shape[1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def with_blocks(self, blocks: torch.Tensor) -> "QuantizedTensor":
+        """The same type and width over other rows (reordered, selected, stacked)."""
+        return QuantizedTensor(self.ggml_type, blocks.contiguous(), self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], decoded in PyTorch."""
+        per_block = _DECODERS[self.ggml_type]
+        block_bytes = _BLOCK_BYTES[self.ggml_type]
+        return per_block(self.blocks.reshape(-1, block_bytes)).reshape(self.shape)
+
+
+# A fused layer's row range: quantized blocks, or a float matrix.
+Part = Union[QuantizedTensor, torch.Tensor]
+
+
+def keeps_quantized(name: str, ggml_type: GGMLType, mode: str) -> bool:
+    """Whether the loader keeps GGUF tensor ``name`` of ``ggml_type`` quantized under ``mode``.
+
+    ValueError (``gguf``) for a quantized type no kernel computes, naming it and the supported ones.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    if mode == "none" or ggml_type in FLOAT_TYPES:
+        return False
+    if ggml_type in KERNEL_TYPES:
+        return True
+    if mode == "gguf":
+        supported = ", ".join(t.name for t in KERNEL_TYPES)
+        raise ValueError(f"quantization gguf: GGUF tensor {name!r} has type {ggml_type.name}, which no "
+                         f"quantized kernel computes (supported: {supported}); use quantization auto "
+                         f"to dequantize such tensors at load")
+    return False
+
+
+def merge_parts(shards: Iterable[Part]) -> tuple[Part, ...]:
+    """Stack consecutive shards of one kind (same quantized type, or float) into one part."""
+    runs: list[list[Part]] = []
+    for shard in shards:
+        if runs and _kind(runs[-1][0]) == _kind(shard):
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    return tuple(_stack(run) for run in runs)
+
+
+def _kind(part: Part) -> GGMLType | None:
+    return part.ggml_type if isinstance(part, QuantizedTensor) else None
+
+
+def _stack(run: list[Part]) -> Part:
+    if len(run) == 1:
+        return run[0]
+    if isinstance(run[0], QuantizedTensor):
+        return run[0].with_blocks(torch.cat([part.blocks for part in run]))
+    return torch.cat(run)
+
+
+def linear(x: torch.Tensor, parts: tuple[Part, ...], bias: torch.Tensor | None,
+           kernel: "QuantMatmul | None") -> torch.Tensor:
+    """``x [..., in] @ W.T (+ bias)`` for W stored as ``parts`` (stacked by rows)."""
+    if len(parts) == 1:
+        y = matmul(x, parts[0], kernel)
+    else:
+        y = torch.cat([matmul(x, part, kernel) for part in parts], dim=-1)
+    return y if bias is None else y + bias
+
+
+def matmul(x: torch.Tensor, weight: Part, kernel: "QuantMatmul | None") -> torch.Tensor:
+    """``x [..., in] @ W.T`` in x's dtype, W float or quantized."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight)
+    if kernel is None:
+        return F.linear(x, weight.dequantize().to(x.dtype))
+    if x.dim() == 2 and x.dtype == torch.float32:  # the model's case: no reshaping, no casts
+        return kernel.matmul_checked_blocks(x, weight.blocks, weight.ggml_type.value, weight.cols)
+    rows = x.reshape(-1, weight.cols).float()
+    y = kernel.matmul_checked_blocks(rows, weight.blocks, weight.ggml_type.value, weight.cols)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, weight: QuantizedTensor, kernel: "QuantMatmul | None",
+              dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of the table, decoded: [*ids.shape, cols] in ``dtype``."""
+    if kernel is None:
+        rows = weight.with_blocks(weight.blocks[ids.reshape(-1)]).dequantize()
+        return rows.reshape(*ids.shape, weight.cols).to(dtype)
+    return kernel.dequantize_rows(weight.blocks, int(weight.ggml_type), weight.cols, ids).to(dtype)
+
+
+def describe(weights: Iterable[Part]) -> str:
+    """``"Q4_1 x210, Q8_0 x1 (92 MiB)"``: the quantized parts among ``weights``."""
+    quantized = [w for w in weights if isinstance(w, QuantizedTensor)]
+    counts = Counter(w.ggml_type.name for w in quantized)
+    mib = sum(w.nbytes for w in quantized) / 2**20
+    return f"{', '.join(f'{name} x{n}' for name, n in counts.most_common())} ({mib:.0f} MiB)"
+
+
+# ---------------------------------------------------------------- PyTorch decoders
+# Each maps blocks uint8 [B, block bytes] to float32 [B, values per block], as
+# ggml's dequantize_row_* (layouts in cadence/kernels/csrc/quant_matmul.c).
+
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()  # [B, 1]
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[B, 16] bytes -> [B, 32]: the low nibbles, then the high ones."""
+    return torch.cat([packed & 15, packed >> 4], dim=1)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    return (_nibbles(blocks[:, 2:]).float() - 8) * _f16(blocks, 0)
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _nibbles(blocks[:, 4:]).float() * _f16(blocks, 0) + _f16(blocks, 2)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # 8 sub-blocks of 32: 6-bit scales and mins packed in bytes 4..15, nibbles in 16..143
+    # (bytes 32c .. 32c+31 hold sub-block 2c in their low nibbles, 2c+1 in their high ones).
+    packed = blocks[:, 4:16].int()
+    low, mid, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=1).float()  # [B, 8]
+    mins = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=1).float()
+    quants = blocks[:, 16:].reshape(-1, 4, 32)
+    values = torch.stack([quants & 15, quants >> 4], dim=2).reshape(-1, 8, 32).float()
+    d, dmin = _f16(blocks, 0) * scales, _f16(blocks, 2) * mins  # [B, 8]
+    return (d.unsqueeze(2) * values - dmin.unsqueeze(2)).reshape(-1, 256)
+
+
+_DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q4_K: _q4_k}
+_BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q4_K: 144}
