@@ -9,26 +9,11 @@ import torch
 
 from cadence.config import EngineOptions
 from cadence.core.request import Request
-from cadence.models.testing import random_model, tiny_config
 from cadence.sampling_params import SamplingParams
-from tests.runner.test_kv_connector_plumbing import build, prompt_of
+# model and one_thread are the plumbing tests' fixtures (a tiny model, one torch thread).
+from tests.runner.test_kv_connector_plumbing import build, model, one_thread, prompt_of  # noqa: F401
 
 TIER_GIB = 0.001  # 1 MiB: hundreds of the tiny model's blocks; the primary pool has 14 to 24
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_model(tiny_config(), seed=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's steps are microseconds of math: a second intra-op
-    thread only adds synchronisation (tens of ms a step on a busy machine)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def generate(engine, prompts, max_tokens=6, stats=None):
