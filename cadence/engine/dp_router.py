@@ -30,9 +30,11 @@ leading full blocks that the replica holds or will hold, all of them in a row.
 
 The imbalance bound (cache aware). The replica with the longest match serves
 (the least loaded among equals) unless its load passes the least loaded
-replica's by more than ``load_margin_tokens``; then the least loaded serves.
-So a chosen replica's load never exceeds the least loaded one's by more than
-the margin, whatever the prefixes.
+replica's by more than the prompt tokens its cache saves over the least
+loaded one's, or by more than ``load_margin_tokens``; then the least loaded
+serves. So affinity never queues more work than it saves, and a chosen
+replica's load never exceeds the least loaded one's by more than the margin,
+whatever the prefixes.
 """
 
 from __future__ import annotations
@@ -225,8 +227,13 @@ class DPRouter:
         best = max(alive, key=lambda rank: (matched[rank], -self.loads[rank], -rank))
         if matched[best] == 0:
             return least_loaded
-        if self.loads[best] - self.loads[least_loaded] > self.load_margin_tokens:
-            return least_loaded  # the bound: affinity never costs more imbalance than the margin
+        # Affinity may cost extra queued work up to the prefill it saves, and never
+        # more than the margin (the bound): a shared system prompt of a few blocks
+        # does not pull a burst onto one replica; a long shared prefix does.
+        extra_load = self.loads[best] - self.loads[least_loaded]
+        saved = (matched[best] - matched[least_loaded]) * self.index.block_size
+        if extra_load > min(self.load_margin_tokens, saved):
+            return least_loaded
         return best
 
     def _least_loaded(self, alive: list[int]) -> int:

@@ -152,3 +152,24 @@ def test_idle_replicas_take_turns_under_least_loaded_and_cache_aware():
             ranks.append(router.route(f"r{i}", [i + 1] * 8, 1))
             router.release(f"r{i}")
         assert ranks == [0, 1, 2, 0], policy
+
+
+def test_a_short_shared_prefix_does_not_pull_a_burst_onto_one_replica():
+    """A burst whose prompts share only a system prompt of 2 blocks: affinity saves 8
+    tokens a request, so once the holder is 8 tokens busier the others serve."""
+    router = DPRouter(2, "cache_aware", block_size=BLOCK)
+    system = [7] * (2 * BLOCK)
+    ranks = [router.route(f"r{i}", system + [100 + i] * 40, 16) for i in range(20)]
+    assert ranks.count(0) == ranks.count(1) == 10
+
+
+def test_a_long_shared_prefix_keeps_its_burst_until_the_saving_is_spent():
+    """Replica 0 holds 30 shared blocks (120 tokens) in its cache: it keeps the prompts
+    that share them while its extra load stays within the 120 tokens each one saves."""
+    router = DPRouter(2, "cache_aware", block_size=BLOCK)
+    prefix = [7] * (30 * BLOCK)
+    router.absorb_kv_events(0, stored_events(prefix))
+    ranks = [router.route(f"r{i}", prefix + [100 + i] * 4, 16) for i in range(8)]
+    # Each adds 4 + 16 = 20 uncached tokens to replica 0: extra load 0, 20, ..., 120
+    # is within the saving for seven of them; the eighth would make it 140.
+    assert ranks == [0] * 7 + [1]
