@@ -14,6 +14,10 @@ greedy, 128 new tokens each (EOS ignored), 2 threads, float32. For each of
     batch           all 64 prompts submitted at once: output tokens/s
     peak RSS        VmHWM of the process at the end (weights, KV cache, all)
 
+The KV cache is sized to the workload (every sequence at full length) and
+kept in float16 (``--kv-cache-dtype``, default float16 like llama.cpp's
+own cache; ``auto`` keeps it in the model's float32).
+
 With ``--llamacpp FILE`` (the JSON that
 ../shared/peers/llamacpp/llamacpp_bench.py --out writes, same GGUF, same
 threads) the report puts llama.cpp beside cadence and checks issue 17's
@@ -67,7 +71,7 @@ def run_child(mode: str, job: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(dtype="float32", quantization=mode, num_threads=NUM_THREADS, max_num_seqs=len(prompts),
               max_num_batched_tokens=4096, num_gpu_blocks=_kv_blocks(prompts, max_tokens),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=job["kv_cache_dtype"])
     load_s, rss_loaded = time.perf_counter() - start, _rss_mib()
 
     def generate(prompt_ids: list[list[int]], num_tokens: int) -> list[int]:
@@ -81,7 +85,7 @@ def run_child(mode: str, job: dict) -> dict:
     counts = generate(prompts, max_tokens)
     batch = {**watch.read(), "tok_s": sum(counts) / watch.read()["wall_s"], "token_counts": counts}
     kept = llm.engine.core.runner.model.quantized_weights()
-    return {"mode": mode, "load_s": load_s, "rss_after_load_mib": rss_loaded, "single": single,
+    return {"mode": mode, "kv_cache_dtype": llm.engine.options.cache.kv_cache_dtype, "load_s": load_s, "rss_after_load_mib": rss_loaded, "single": single,
             "batch": batch, "quantized_mib": sum(getattr(w, "nbytes", 0) for w in kept) / 2**20}
 
 
@@ -167,7 +171,8 @@ def llamacpp_figures(path: str, num_prompts: int) -> dict:
 
 def print_report(columns: dict[str, dict], header: dict, args: argparse.Namespace) -> None:
     print(f"# default model quantized vs dequantized: {header['workload']} v{header['version']}, "
-          f"{header['num_prompts']} prompts x {header['max_tokens']} tokens, {NUM_THREADS} threads, float32")
+          f"{header['num_prompts']} prompts x {header['max_tokens']} tokens, {NUM_THREADS} threads, float32, "
+          f"KV cache {args.kv_cache_dtype}")
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"cpu: {header['cpu']}; torch {header['torch']}")
     print(f"uptime at start: {header['uptime_start']}\nuptime at end:   {uptime()}")
@@ -183,7 +188,7 @@ def print_report(columns: dict[str, dict], header: dict, args: argparse.Namespac
     for name, column in columns.items():
         if "failed" in column:
             print(f"\n{name} failed: {column['failed']}")
-    if "llama.cpp" in columns:
+    if "llama.cpp" in columns and "cadence auto" in columns:
         print_targets(columns)
 
 
@@ -222,6 +227,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-attempts", type=int, default=3, help="most runs per mode")
     parser.add_argument("--wait-quiet", type=float, default=60.0, metavar="SECONDS",
                         help="before each run, wait up to SECONDS for the machine to be quiet")
+    parser.add_argument("--kv-cache-dtype", default="float16", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="cadence's KV cache element type (default float16, as llama.cpp's cache)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma list of the quantization modes to run (default {','.join(MODES)})")
     parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     parser.add_argument("--verbose", action="store_true", help="show the children's stderr")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -241,9 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.single_prompts = QUICK["single_prompts"]
     job = {"prompt_ids": workload_prompt_ids(default_model_path(), num_prompts), "max_tokens": max_tokens,
-           "single_prompts": args.single_prompts}
+           "single_prompts": args.single_prompts, "kv_cache_dtype": args.kv_cache_dtype}
     header = make_header(num_prompts, max_tokens)
-    results = {f"cadence {mode}": measure(mode, job, args) for mode in MODES}
+    modes = [mode for mode in args.modes.split(",") if mode]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from {MODES}")
+    results = {f"cadence {mode}": measure(mode, job, args) for mode in modes}
     columns = {name: r if "failed" in r else figures(r) for name, r in results.items()}
     if args.llamacpp:
         columns["llama.cpp"] = llamacpp_figures(args.llamacpp, num_prompts)

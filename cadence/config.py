@@ -14,6 +14,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "slo")
 # Options that belong to one policy (refused with any other).
 POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Drafting methods that need KV slots beyond the verified tokens for the
 # drafter's own forward passes (the draft model writes its KV there).
 LOOKAHEAD_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
@@ -214,6 +215,11 @@ class CacheConfig:
     kv_events_buffer_steps: int = option(
         10000, "KV event batches (one per engine step) kept for replay."
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV-cache element type: auto (the model's dtype), float32, float16 or bfloat16. On the "
+        "CPU a half-width cache holds twice the tokens in the same memory; on a GPU only auto.",
+    )
     kv_cache_memory: str | None = option(
         None, "KV-cache memory budget: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.3)."
     )
@@ -231,6 +237,9 @@ class CacheConfig:
             "prefix_caching_hash_algo",
             f"must be one of {PREFIX_HASH_ALGOS}",
         )
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+                 + (" (fp8 caches are not implemented)" if "fp8" in str(self.kv_cache_dtype) else ""))
         _require("://" in self.kv_events_endpoint, "kv_events_endpoint", "must be a ZMQ address")
         if self.kv_events_replay_endpoint is not None:
             _require("://" in self.kv_events_replay_endpoint, "kv_events_replay_endpoint",

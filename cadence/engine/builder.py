@@ -27,7 +27,7 @@ from cadence.models.tp_group import collective_backend
 from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype, resolve_quantization
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
-from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget
+from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from cadence.runner.model_runner import ModelRunner
 from cadence.runner.tp_workers import start_driver
 from cadence.structured import GrammarBackendBase, make_grammar_backend
@@ -83,6 +83,7 @@ def assemble_engine(
     engine_config = options.engine
     device = next(model.parameters()).device
     dtype = model.dtype
+    kv_dtype = resolve_kv_cache_dtype(options.cache.kv_cache_dtype, dtype, device)
     check_tensor_parallel_options(options, model, model_config, device)
     max_model_len = min(options.scheduler.max_model_len, model_config.max_position_embeddings)
     scheduler_config = dataclasses.replace(options.scheduler, max_model_len=max_model_len)
@@ -95,9 +96,10 @@ def assemble_engine(
         if options.cache.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization: applies on a CUDA device; "
                              "on the CPU, size the cache with kv_cache_memory")
-        num_blocks = _num_kv_blocks(options, model_config, dtype)
+        num_blocks = _num_kv_blocks(options, model_config, kv_dtype)
         runner = None
-    cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks)
+    cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks,
+                                       kv_cache_dtype=_dtype_name(kv_dtype))
     cache_capacity = num_blocks * cache_config.block_size
     if cache_capacity < max_model_len:
         # A request longer than the whole cache could never be scheduled.
@@ -105,11 +107,11 @@ def assemble_engine(
               f"{cache_capacity} tokens", file=log)
         max_model_len = cache_capacity
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=max_model_len)
-    block_bytes = bytes_per_block(model_config, cache_config.block_size, dtype)
+    block_bytes = bytes_per_block(model_config, cache_config.block_size, kv_dtype)
     print(
         f"cadence: KV cache {num_blocks} blocks x {cache_config.block_size} tokens = "
         f"{num_blocks * cache_config.block_size} tokens, {num_blocks * block_bytes / 2**20:.0f} MiB "
-        f"({str(dtype).removeprefix('torch.')}, {device})",
+        f"({_dtype_name(kv_dtype)}, {device})",
         file=log,
     )
     grammar_backend = None
@@ -138,6 +140,7 @@ def assemble_engine(
             dtype=dtype, max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len,
             device=device, speculative_config=options.speculative,
             sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
+            kv_cache_dtype=kv_dtype,
         )
         runner = _cpu_runner(options, model, model_config, runner_args, log)
     if connector_context is not None:
@@ -146,12 +149,15 @@ def assemble_engine(
               f"({connector_context.kv_role}, preemption by {options.preemption_mode})", file=log)
     if runner.cpu_paths is not None:
         log_cpu_choice(dtype, runner.cpu_paths, log=log)
+        if runner.cpu_paths.attention_kernel is not None and runner.attention_kernel is None:
+            print(f"cadence: attention over the cache on PyTorch's SDPA (the C kernel does not read a "
+                  f"{_dtype_name(kv_dtype)} cache for {_dtype_name(dtype)} queries, or soft-caps)", file=log)
     kept = model.quantized_weights() if hasattr(model, "quantized_weights") else []
     if kept:
         reason = runner.cpu_paths.quant_reason if runner.cpu_paths is not None else "PyTorch"
         print(f"cadence: weights kept quantized: {describe_quantized(kept)}; {reason}", file=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
-    engine_config = dataclasses.replace(engine_config, dtype=str(dtype).removeprefix("torch."))
+    engine_config = dataclasses.replace(engine_config, dtype=_dtype_name(dtype))
     options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,
                                   cache=cache_config)
     # Last: the publisher binds its socket (None when KV cache events are off).
@@ -281,6 +287,10 @@ def _resolve_dtype(engine_config, device: torch.device) -> torch.dtype:
     if engine_config.dtype == "auto" and device.type == "cuda":
         stored = checkpoint_dtype(engine_config.model)
     return resolve_dtype(engine_config.dtype, device, checkpoint_dtype=stored)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_device(device: str) -> torch.device:

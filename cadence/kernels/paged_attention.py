@@ -13,28 +13,36 @@ import functools
 import torch
 
 from cadence.kernels import build
-_ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# (query and output dtype, cache dtype) -> the C function's suffix.
+SUFFIXES = {
+    (torch.float32, torch.float32): "f32",
+    (torch.bfloat16, torch.bfloat16): "bf16",
+    (torch.float32, torch.float16): "f32_kvf16",
+    (torch.float32, torch.bfloat16): "f32_kvbf16",
+}
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
-# paged_attention_{f32,bf16}: q, k_cache, v_cache, out, query_start, query_len,
+# paged_attention_<suffix>: q, k_cache, v_cache, out, query_start, query_len,
 # seq_len, block_table; num_seqs; heads, kv heads, head dim, block size,
 # max blocks, window; scale (checked against the C prototype by the tests).
 ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] + [_INT] * 6 + [ctypes.c_float]
 
 
 class PagedAttentionKernel:
-    """``paged_attention_{f32,bf16}`` of the compiled library, with tensor arguments."""
+    """``paged_attention_<suffix>`` of the compiled library, with tensor arguments."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
-        for dtype, suffix in _ELEMENT_SUFFIX.items():
+        for dtypes, suffix in SUFFIXES.items():
             function = getattr(library, f"paged_attention_{suffix}")
             function.restype = None
             function.argtypes = ARGTYPES
-            self._functions[dtype] = function
+            self._functions[dtypes] = function
 
-    def supports(self, dtype: torch.dtype) -> bool:
-        return dtype in self._functions
+    def supports(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> bool:
+        """Whether queries of ``dtype`` can attend over a cache of ``kv_cache_dtype``
+        (default: the same)."""
+        return (dtype, kv_cache_dtype or dtype) in self._functions
 
     def __call__(
         self,
@@ -50,17 +58,22 @@ class PagedAttentionKernel:
         scale: float,
     ) -> None:
         """Attention of the S sequences' query rows over their cached keys, into ``out``."""
-        for t in (q, key_blocks, value_blocks, out):
-            if t.dtype != q.dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("paged attention: q, caches and out must be contiguous CPU "
-                                 f"tensors of one dtype, got {t.dtype} {tuple(t.shape)}")
+        for t, dtype in ((q, q.dtype), (out, q.dtype), (key_blocks, key_blocks.dtype),
+                         (value_blocks, key_blocks.dtype)):
+            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("paged attention: q and out (of one dtype) and the caches (of "
+                                 f"one dtype) must be contiguous CPU tensors, got {t.dtype} {tuple(t.shape)}")
+        function = self._functions.get((q.dtype, key_blocks.dtype))
+        if function is None:
+            raise ValueError(f"paged attention: no kernel for {q.dtype} queries over a "
+                             f"{key_blocks.dtype} cache")
         for t, dtype in ((query_start, torch.int64), (query_len, torch.int64),
                          (seq_len, torch.int64), (block_table, torch.int32)):
             if t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"paged attention: index tensors must be contiguous {dtype}")
         num_heads, head_dim = q.shape[1], q.shape[2]
         _, block_size, num_kv_heads, _ = key_blocks.shape
-        self._functions[q.dtype](
+        function(
             q.data_ptr(), key_blocks.data_ptr(), value_blocks.data_ptr(), out.data_ptr(),
             query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
             block_table.data_ptr(), len(seq_len), num_heads, num_kv_heads, head_dim,

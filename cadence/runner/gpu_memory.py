@@ -51,5 +51,5 @@ def gpu_kv_blocks(
     """Whole KV blocks in the budget (0 when not even one fits)."""
     budget, figures = gpu_kv_cache_bytes(
         runner, utilization, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    block = bytes_per_block(runner.model_config, runner.block_size, runner.dtype)
+    block = bytes_per_block(runner.model_config, runner.block_size, runner.kv_cache_dtype)
     return max(0, budget // block), figures

@@ -21,6 +21,28 @@ if TYPE_CHECKING:
     from cadence.models.config import ModelConfig
 
 
+_KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache's element type for option ``name``: ``auto`` is the model's dtype.
+
+    Keys and values are rounded to it as they are written and widened back to
+    the model's dtype as attention reads them. Only the CPU path reads a cache
+    of another dtype than the model's; a GPU cache stays in the model's.
+    """
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: must be auto or one of {tuple(_KV_CACHE_DTYPES)}, got {name!r}")
+    dtype = _KV_CACHE_DTYPES[name]
+    if device.type != "cpu" and dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype: {name} differs from the model's "
+                         f"{str(model_dtype).removeprefix('torch.')}; on {device.type} the cache "
+                         f"takes the model's dtype (use auto); other cache dtypes run on the CPU")
+    return dtype
+
+
 def bytes_per_block(model_config: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
     """Memory one block takes across all layers, keys and values together."""
     itemsize = dtype.itemsize

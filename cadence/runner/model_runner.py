@@ -72,6 +72,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         lora_config: "LoRAConfig | None" = None,
         kv_connector: KVConnectorWorker | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
@@ -81,13 +82,15 @@ class ModelRunner:
         ``TRITON_INTERPRET=1``, for tests) or ``cpu`` (the default on the CPU).
         ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs).
         ``kv_connector``: the worker side of a KV connector, called around
-        every step's forward (see ``cadence.runner.kv_transfer.base``)."""
+        every step's forward (see ``cadence.runner.kv_transfer.base``).
+        ``kv_cache_dtype``: the KV cache's element type (default ``dtype``)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.sliding_window = sliding_window or model_config.sliding_window
         self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "cpu")
         if self.attention_backend not in ("triton", "cpu"):
@@ -147,7 +150,7 @@ class ModelRunner:
         self.scratch_block = num_blocks if extra else None
         self.kv_cache = PagedKVCache.for_model(
             self.model_config, num_blocks=num_blocks + extra, block_size=self.block_size,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_cache)
@@ -223,7 +226,8 @@ class ModelRunner:
             self.model.use_quant_kernel(paths.quant_matmul)
         kernel = paths.attention_kernel
         # The native kernel has no score soft-capping: such models stay on SDPA.
-        fits = kernel is not None and kernel.supports(dtype) and self.model_config.attn_logit_softcapping is None
+        fits = (kernel is not None and kernel.supports(dtype, self.kv_cache_dtype)
+                and self.model_config.attn_logit_softcapping is None)
         self.attention_kernel = kernel if fits else None
 
     # ------------------------------------------------------------ the step

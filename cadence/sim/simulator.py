@@ -302,6 +302,9 @@ class Simulator:
         step on the virtual clock too (see ``VirtualClock``). ``kv_tier``: a
         host-memory KV tier (and swap preemption), its copies charged at the
         link's bandwidth (see ``cadence.sim.kv_tier``)."""
+        if cache_config.kv_cache_dtype != "auto":
+            raise ValueError("kv_cache_dtype: the simulator's cost models keep the KV cache in the "
+                             "model's dtype; size a cache of another width with num_gpu_blocks")
         if cache_config.num_gpu_blocks is None:
             if cache_config.kv_cache_memory is not None:
                 raise ValueError("kv_cache_memory: the simulator sizes the cache in blocks; give num_gpu_blocks")

@@ -38,15 +38,17 @@ def dense_attention(q, k, v, first_pos, sliding_window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Q, Hq, D]
 
 
-def make_step(rng, *, num_seqs, block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype):
+def make_step(rng, *, num_seqs, block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype,
+              cache_dtype=None):
     """Random sequences (decodes, short and long chunks with cached prefixes).
 
-    Returns the cache (prefixes already written), the step's flat q/k/v, the
-    metadata inputs and each sequence's full keys/values for the reference.
+    Returns the cache (prefixes already written; of ``cache_dtype``, default
+    ``dtype``), the step's flat q/k/v, the metadata inputs and each sequence's
+    full keys/values for the reference.
     """
     cache = PagedKVCache.allocate(
         num_layers=1, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=cache_dtype or dtype,
     )
     free_blocks = list(range(num_blocks))
     rng.shuffle(free_blocks)
@@ -111,6 +113,50 @@ def test_matches_dense_reference_float32(seed, sliding_window, kernel):
     for i, (num_cached, query_len, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, sliding_window)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_float32_queries_over_a_half_width_cache(seed, cache_dtype, kernel):
+    """Keys and values are rounded to the cache's dtype as written; the result is
+    float32 attention over those rounded values, on both paths."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dims = dict(num_heads=6, head_dim=rng.choice([16, 64]), block_size=rng.choice([4, 16]),
+                dtype=torch.float32)
+    cache, seqs = make_step(rng, num_seqs=6, num_blocks=256, num_kv_heads=2, cache_dtype=cache_dtype, **dims)
+    if kernel is not None:
+        assert kernel.supports(torch.float32, cache_dtype)
+    window = rng.choice([None, 5])
+    q, out, starts = run_step(cache, seqs, sliding_window=window, kernel=kernel, **dims)
+    assert out.dtype == torch.float32 and cache.data.dtype == cache_dtype
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        rows = out[starts[i] : starts[i + 1]].double()
+        query = q[starts[i] : starts[i + 1]]
+        rounded = dense_attention(query, keys.to(cache_dtype), values.to(cache_dtype), num_cached, window)
+        torch.testing.assert_close(rows, rounded, atol=1e-5, rtol=1e-5)
+        # ... and close to attention over the unrounded float32 keys and values.
+        assert (rows - dense_attention(query, keys, values, num_cached, window)).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v2"])
+def test_every_float16_value_is_widened_exactly(march):
+    """One cached token seen by one decode: softmax gives it weight 1, so the
+    output is its value row, widened. Every float16 bit pattern, through the
+    F16C instructions (native, where the CPU has them) and the plain-C path."""
+    compiled = paged_attention(march)
+    if compiled is None:
+        pytest.skip(f"the kernel does not build for -march={march} here")
+    head_dim, num_seqs = 1024, 64  # 64 sequences x 1024 values = all 2^16 patterns
+    patterns = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    cache = torch.zeros(2, num_seqs, 1, 1, head_dim, dtype=torch.float16)  # keys, values
+    cache[1] = patterns.view(num_seqs, 1, 1, head_dim)
+    out = torch.empty(num_seqs, 1, head_dim)
+    compiled(torch.zeros(num_seqs, 1, head_dim), cache[0], cache[1], out,
+             torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.long), torch.ones(num_seqs, dtype=torch.long),
+             torch.arange(num_seqs, dtype=torch.int32).view(num_seqs, 1), None, 1.0)
+    expected = patterns.float().view(num_seqs, 1, head_dim)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -55,8 +55,12 @@ def test_rejects_tensors_it_cannot_read():
     cache = torch.zeros(4, 2, 2, 8)
     index = dict(query_start=torch.tensor([0, 1]), query_len=torch.tensor([1, 1]),
                  seq_len=torch.tensor([1, 1]), block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="contiguous CPU tensors of one dtype"):
+    with pytest.raises(ValueError, match="must be contiguous CPU tensors"):
         kernel(q.bfloat16(), cache, cache, q, **index, sliding_window=None, scale=1.0)
+    with pytest.raises(ValueError, match="must be contiguous CPU tensors"):
+        kernel(q, cache, cache.half(), q, **index, sliding_window=None, scale=1.0)
+    with pytest.raises(ValueError, match="no kernel for torch.bfloat16 queries over a torch.float16 cache"):
+        kernel(q.bfloat16(), cache.half(), cache.half(), q.bfloat16(), **index, sliding_window=None, scale=1.0)
     with pytest.raises(ValueError, match="int32"):
         kernel(q, cache, cache, torch.empty_like(q), **{**index, "block_table": index["block_table"].long()},
                sliding_window=None, scale=1.0)

@@ -58,7 +58,8 @@ def test_fused_ops_bindings_match_their_prototypes():
 
 def test_paged_attention_binding_matches_its_prototype():
     prototypes = exported_prototypes("paged_attention.c")
-    assert set(prototypes) == {f"paged_attention_{suffix}" for suffix in ELEMENT_SUFFIXES}
+    assert set(prototypes) == {f"paged_attention_{suffix}" for suffix in paged_attention.SUFFIXES.values()}
+    assert {"f32", "bf16", "f32_kvf16", "f32_kvbf16"} <= set(paged_attention.SUFFIXES.values())
     for name, params in prototypes.items():
         assert params == paged_attention.ARGTYPES, name
 

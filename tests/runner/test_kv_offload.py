@@ -143,6 +143,19 @@ def test_swap_and_recompute_preemption_give_the_same_greedy_tokens(
     assert_nothing_leaked(engine, CROWD_POOL)
 
 
+def test_a_float16_cache_swaps_its_own_bytes(model):
+    """The tier takes the cache's dtype: a swapped float16 request comes back
+    bit for bit, so its tokens equal an uncrowded float16 engine's."""
+    expected = generate(build(model, kv_cache_dtype="float16"), CROWD, max_tokens=10)
+    engine = crowded(model, kv_offload_size=TIER_GIB, preemption_mode="swap", kv_cache_dtype="float16")
+    assert generate(engine, CROWD, max_tokens=10) == expected
+    scheduler = engine.core.scheduler
+    assert scheduler.num_swapped_preemptions_total > 0
+    assert scheduler.get_kv_connector().tier is not None
+    assert engine.core.runner.kv_connector.tier.dtype == torch.float16
+    assert_nothing_leaked(engine, CROWD_POOL)
+
+
 @pytest.mark.parametrize("policy", ["priority", "fair"])
 def test_swapped_requests_come_back_under_any_queue_order(model, crowd_expected, policy):
     # A swapped request waits holding its blocks once loaded: it must run

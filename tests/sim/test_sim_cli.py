@@ -77,6 +77,12 @@ def test_options_the_simulator_would_ignore_are_refused(flags, field):
         args.func(args)
 
 
+def test_a_kv_cache_dtype_the_cost_model_cannot_price_is_refused():
+    args = parse(["simulate", "--num-requests", "4", "--kv-cache-dtype", "float16"])
+    with pytest.raises(ValueError, match="^kv_cache_dtype: the simulator"):
+        args.func(args)
+
+
 def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):
     """Two clients at 10:1 and past capacity: under fair the light one is served at once."""
     out = tmp_path / "fair"

@@ -1,10 +1,14 @@
-/* What the CPU kernels share: bfloat16 conversions and a vectorisable exp. */
+/* What the CPU kernels share: bfloat16 and float16 conversions and a
+ * vectorisable exp. */
 
 #ifndef CADENCE_KERNEL_COMMON_H
 #define CADENCE_KERNEL_COMMON_H
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t widened = (uint32_t)bits << 16;
@@ -20,6 +24,39 @@ static inline uint16_t float_to_bf16(float value) {
     if ((cast.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((cast.u >> 16) | 0x40u);
     cast.u += 0x7fffu + ((cast.u >> 16) & 1u);
     return (uint16_t)(cast.u >> 16);
+}
+
+/* n bfloat16 values widened to float32 (exact). */
+static inline void bf16_row_to_float(float *dst, const uint16_t *src, int n) {
+    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+/* IEEE half to float, exactly (subnormals, infinities and NaN included). */
+static inline float f16_to_float(uint16_t half) {
+    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+    uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* rebias 15 -> 127 */
+    } else {
+        float value = (float)mantissa * 5.9604644775390625e-08f; /* 0 or mantissa * 2^-24 */
+        return sign ? -value : value;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* n float16 values widened to float32: eight per instruction where the CPU
+ * has F16C, one by one in plain C elsewhere. */
+static inline void f16_row_to_float(float *dst, const uint16_t *src, int n) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = f16_to_float(src[i]);
 }
 
 /* e^x to about 1 ulp for float32, in plain arithmetic the compiler can

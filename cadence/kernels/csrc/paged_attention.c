@@ -14,7 +14,8 @@
  *
  * Query row r = j * G + g is query token j (position seq_len - q_len + j) of
  * head h * G + g; it sees keys max(0, pos - window + 1) .. pos. Keys and
- * values are float32 or bfloat16 (read as float32); sums are float32.
+ * values are float32, bfloat16 or float16 (widened to float32 as they are
+ * read); sums are float32.
  *
  * Tasks run on OpenMP threads. Loaded after torch, this library shares
  * torch's libgomp (same soname), so it uses torch's threads and thread count.
@@ -92,26 +93,44 @@ static int64_t work_floats(const AttentionShape *shape, const SequenceIndex *seq
     return rows * (2 * (int64_t)shape->head_dim + span) + token;
 }
 
-/* One copy of the kernel per element type: paged_attention_f32, paged_attention_bf16. */
+/* One copy of the kernel per (query, cache) element type pair:
+ * paged_attention_f32 and _bf16 (cache in the model's dtype), and
+ * paged_attention_f32_kvf16 and _f32_kvbf16 (a float32 model over a
+ * half-width cache, --kv-cache-dtype). */
 #define PASTE(a, b) a##_##b
 #define EXPAND_PASTE(a, b) PASTE(a, b)
 #define NAME(name) EXPAND_PASTE(name, SUFFIX)
 
 #define SUFFIX f32
 #define ELEM float
-#define ELEM_IS_FLOAT 1
 #define LOAD(x) (x)
 #define STORE(x) (x)
+#define KV_ELEM float
+#define KV_IS_FLOAT 1
+#include "paged_attention_impl.h"
+#undef SUFFIX
+#undef KV_ELEM
+#undef KV_IS_FLOAT
+
+#define SUFFIX f32_kvf16
+#define KV_ELEM uint16_t
+#define KV_IS_FLOAT 0
+#define KV_ROW_TO_FLOAT f16_row_to_float
+#include "paged_attention_impl.h"
+#undef SUFFIX
+#undef KV_ROW_TO_FLOAT
+
+#define SUFFIX f32_kvbf16
+#define KV_ROW_TO_FLOAT bf16_row_to_float
 #include "paged_attention_impl.h"
 #undef SUFFIX
 #undef ELEM
-#undef ELEM_IS_FLOAT
 #undef LOAD
 #undef STORE
 
+/* (KV_ELEM, KV_IS_FLOAT and KV_ROW_TO_FLOAT stay bfloat16's.) */
 #define SUFFIX bf16
 #define ELEM uint16_t
-#define ELEM_IS_FLOAT 0
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #include "paged_attention_impl.h"

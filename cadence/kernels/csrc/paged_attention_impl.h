@@ -1,6 +1,8 @@
-/* The kernel of paged_attention.c, written once for an element type: the
- * includer defines ELEM (the stored type), LOAD (ELEM -> float), STORE
- * (float -> ELEM) and NAME(x) (x with the type's suffix). */
+/* The kernel of paged_attention.c, written once for a pair of element
+ * types: the includer defines ELEM (the type of q and out), LOAD (ELEM ->
+ * float), STORE (float -> ELEM), KV_ELEM (the type of the cache),
+ * KV_IS_FLOAT (1 when KV_ELEM is float), KV_ROW_TO_FLOAT(dst, src, n) (n
+ * cache values widened to float) and NAME(x) (x with the pair's suffix). */
 
 /* dst[i] = src[i] * scale, as float. */
 static inline void NAME(load_row)(float *dst, const ELEM *src, int n, float scale) {
@@ -9,31 +11,31 @@ static inline void NAME(load_row)(float *dst, const ELEM *src, int n, float scal
 
 /* The keys or values of one token, all KV heads: [Hkv * D] floats. Float
  * caches are read in place; others are converted into ``buffer``. */
-static inline const float *NAME(token_row)(const ELEM *cache, int64_t slot, int width,
+static inline const float *NAME(token_row)(const KV_ELEM *cache, int64_t slot, int width,
                                            float *buffer) {
-    const ELEM *row = cache + slot * width;
-#if ELEM_IS_FLOAT
+    const KV_ELEM *row = cache + slot * width;
+#if KV_IS_FLOAT
     (void)buffer;
     return (const float *)row;
 #else
-    NAME(load_row)(buffer, row, width, 1.0f);
+    KV_ROW_TO_FLOAT(buffer, row, width);
     return buffer;
 #endif
 }
 
 /* Ask for token p's row ahead of use: rows of consecutive tokens lie in
  * different blocks at every block boundary, where the hardware cannot guess. */
-static inline void NAME(prefetch_token)(const ELEM *cache, const int32_t *blocks, int64_t p,
+static inline void NAME(prefetch_token)(const KV_ELEM *cache, const int32_t *blocks, int64_t p,
                                         int bs, int width) {
     const char *row = (const char *)(cache + ((int64_t)blocks[p / bs] * bs + p % bs) * width);
-    for (int64_t offset = 0; offset < (int64_t)(width * sizeof(ELEM)); offset += 64)
+    for (int64_t offset = 0; offset < (int64_t)(width * sizeof(KV_ELEM)); offset += 64)
         __builtin_prefetch(row + offset, 0, 3);
 }
 
 /* One sequence, all its heads. Always inlined, so a call with a constant
  * head_dim D compiles to fully unrolled vector loops. */
 static inline __attribute__((always_inline)) void NAME(attend)(
-        const ELEM *q, const ELEM *k_cache, const ELEM *v_cache, ELEM *out,
+        const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache, ELEM *out,
         const AttentionShape *shape, const SequenceIndex *seqs, int64_t s,
         float *work, const int D) {
     const int Hq = shape->num_heads, Hkv = shape->num_kv_heads, G = Hq / Hkv;
@@ -88,7 +90,7 @@ static inline __attribute__((always_inline)) void NAME(attend)(
 }
 
 /* attend() specialised for the common head sizes. */
-static void NAME(attend_any)(const ELEM *q, const ELEM *k_cache, const ELEM *v_cache,
+static void NAME(attend_any)(const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache,
                              ELEM *out, const AttentionShape *shape,
                              const SequenceIndex *seqs, int64_t s, float *work) {
     switch (shape->head_dim) {
@@ -98,7 +100,7 @@ static void NAME(attend_any)(const ELEM *q, const ELEM *k_cache, const ELEM *v_c
     }
 }
 
-void NAME(paged_attention)(const ELEM *q, const ELEM *k_cache, const ELEM *v_cache,
+void NAME(paged_attention)(const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache,
                            ELEM *out, const int64_t *query_start,
                            const int64_t *query_len, const int64_t *seq_len,
                            const int32_t *block_table, int64_t num_seqs, int num_heads,
