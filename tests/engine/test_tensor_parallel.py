@@ -88,14 +88,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("model, options", [("mha", {}), ("gqa", {"async_scheduling": True})])
+@pytest.mark.parametrize("model, options", [("mha", {}), ("gqa", {"async_scheduling": True}),
+                                            ("gqa", {"kv_cache_dtype": "float16"})])
 def test_two_ranks_give_the_tokens_of_one_and_exit_with_the_engine(folders, model, options):
-    expected = token_ids(generate(make_llm(folders[model], 1)))
+    cache = {k: v for k, v in options.items() if k == "kv_cache_dtype"}  # each rank's cache, and one rank's
+    expected = token_ids(generate(make_llm(folders[model], 1, **cache)))
     llm = make_llm(folders[model], 2, **options)
     pids = worker_pids(llm)
     try:
         assert pids and all(map(_alive, pids))
         assert token_ids(generate(llm)) == expected
+        if cache:
+            assert llm.engine.core.runner.kv_cache.data.dtype == torch.float16
     finally:
         llm.engine.core.shutdown()
     assert wait_gone(pids) == []
