@@ -86,6 +86,23 @@ class GGUFFile:
         self.alignment = self._alignment()
         self.data_offset = -(-cursor.offset // self.alignment) * self.alignment
         self.tensors = self._tensors(infos)
+        self._drop_pages(0, self.data_offset)  # the header is decoded: its pages are not read again
+
+    def drop_pages(self, tensor: GGUFTensor) -> None:
+        """Let this process's memory drop ``tensor``'s pages once its values are copied out.
+
+        The mapping stays valid: the pages stay in the OS page cache and a later
+        read of ``tensor.data`` faults them back in. Without this, a load holds the
+        whole file in its RSS (mapped pages count) on top of the weights it copied.
+        """
+        self._drop_pages(tensor.data_offset, tensor.data_offset + tensor.n_bytes)
+
+    def _drop_pages(self, start: int, end: int) -> None:
+        if not isinstance(self._buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return  # an empty file, or an OS without madvise: nothing to drop, nothing lost
+        page_start = start - start % mmap.PAGESIZE  # madvise takes whole pages
+        if end > page_start:
+            self._buffer.madvise(mmap.MADV_DONTNEED, page_start, end - page_start)
 
     def _read_key_value(self, cursor: _Cursor) -> None:
         key = cursor.string("a metadata key")

@@ -157,6 +157,7 @@ def _hf_named_tensors(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
             value = QuantizedTensor.from_gguf(tensor.tensor_type, tensor.data, shape)
         else:
             value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
+        reader.drop_pages(tensor)  # value owns a copy: the mapped bytes need not stay in memory
         if expert_names:
             yield from zip(expert_names, value)  # value [E, rows, cols]
             continue
