@@ -30,7 +30,7 @@ def to_torch(name: str, ggml_type: GGMLType, data: np.ndarray, shape: tuple[int,
              dtype: torch.dtype) -> torch.Tensor:
     """The tensor of ``shape`` (torch order: rows first) stored in ``data``, as ``dtype``.
 
-    ``data`` is what ``gguf.GGUFReader`` gives: typed values for F32/F16, raw
+    ``data`` is what ``GGUFFile`` (as ``gguf.GGUFReader``) gives: typed values for F32/F16, raw
     bytes (uint8) for everything else. The result owns its memory (no mmap view).
     """
     check_supported(name, ggml_type)

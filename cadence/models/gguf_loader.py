@@ -31,13 +31,12 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
-import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
 
 from cadence.models.architectures import ARCHITECTURES
 from cadence.models.config import ModelConfig
 from cadence.models.dequant import to_torch
+from cadence.models.gguf_file import GGUFFile, GGUFTensor
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.quantized import QuantizedTensor, keeps_quantized
 
@@ -77,19 +76,18 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def read_gguf(path: str) -> tuple[GGUFReader, dict[str, Any]]:
+def read_gguf(path: str) -> tuple[GGUFFile, dict[str, Any]]:
     """Open a GGUF file (memory-mapped) and decode its metadata."""
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     return reader, read_metadata(reader)
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     """All key/values as Python values: str, int, float, bool, or lists of them."""
-    return {name: _field_value(field) for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+    return reader.metadata
 
 
-def gguf_model_config(reader: GGUFReader, metadata: dict[str, Any]) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, metadata: dict[str, Any]) -> ModelConfig:
     """``ModelConfig`` from metadata plus what only the tensor list tells."""
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(metadata, tie_word_embeddings="output.weight" not in names)
@@ -102,7 +100,7 @@ def gguf_model_config(reader: GGUFReader, metadata: dict[str, Any]) -> ModelConf
     return config
 
 
-def load_gguf_model(reader: GGUFReader, metadata: dict[str, Any], dtype: torch.dtype = torch.float32,
+def load_gguf_model(reader: GGUFFile, metadata: dict[str, Any], dtype: torch.dtype = torch.float32,
                     quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model a GGUF describes, weights dequantized to ``dtype``, or, with
     ``quantization`` auto or gguf, the matmul weights of a quantized kernel's type
@@ -142,7 +140,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return by_pair.transpose(1, 2).reshape(rows, *rest)  # HF: row j*(D/2) + i
 
 
-def _hf_named_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
+def _hf_named_tensors(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                       quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(HF name, tensor) for every weight, permutation undone, one tensor at a time."""
     family = ARCHITECTURES[config.architecture]
@@ -159,6 +157,7 @@ def _hf_named_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtyp
             value = QuantizedTensor.from_gguf(tensor.tensor_type, tensor.data, shape)
         else:
             value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
+        reader.drop_pages(tensor)  # value owns a copy: the mapped bytes need not stay in memory
         if expert_names:
             yield from zip(expert_names, value)  # value [E, rows, cols]
             continue
@@ -172,29 +171,5 @@ def _hf_named_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtyp
         yield name, value
 
 
-def _tensor(reader: GGUFReader, name: str):
+def _tensor(reader: GGUFFile, name: str) -> GGUFTensor:
     return next(t for t in reader.tensors if t.name == name)
-
-
-def _field_value(field) -> Any:
-    """Decode one ReaderField: its ``data`` indexes the ``parts`` that hold values."""
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        item_kind = field.types[-1]
-        items = [field.parts[i] for i in field.data]
-        if item_kind == GGUFValueType.STRING:
-            return [_decode_string(item) for item in items]
-        if not items:
-            return []
-        return np.concatenate(items).tolist()
-    value = field.parts[field.data[0]]
-    if kind == GGUFValueType.STRING:
-        return _decode_string(value)
-    if kind == GGUFValueType.FLOAT32:
-        # The shortest decimal that is this float32: 1e-05, not 9.999999747378752e-06.
-        return float(str(value[0]))
-    return value[0].item()
-
-
-def _decode_string(raw: np.ndarray) -> str:
-    return bytes(raw).decode("utf-8", errors="replace")
