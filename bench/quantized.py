@@ -16,7 +16,10 @@ greedy, 128 new tokens each (EOS ignored), 2 threads, float32. For each of
 
 The KV cache is sized to the workload (every sequence at full length) and
 kept in float16 (``--kv-cache-dtype``, default float16 like llama.cpp's
-own cache; ``auto`` keeps it in the model's float32).
+own cache; ``auto`` keeps it in the model's float32). A step computes at
+most 512 tokens (``--max-num-batched-tokens``), llama.cpp's physical batch
+(its bench's n_ubatch): the 64 prompts' prefill runs in chunks, so the
+activations of one step stay those of 512 tokens, not of all 2,612.
 
 With ``--llamacpp FILE`` (the JSON that
 ../shared/peers/llamacpp/llamacpp_bench.py --out writes, same GGUF, same
@@ -70,7 +73,7 @@ def run_child(mode: str, job: dict) -> dict:
     prompts, max_tokens = job["prompt_ids"], job["max_tokens"]
     start = time.perf_counter()
     llm = LLM(dtype="float32", quantization=mode, num_threads=NUM_THREADS, max_num_seqs=len(prompts),
-              max_num_batched_tokens=4096, num_gpu_blocks=_kv_blocks(prompts, max_tokens),
+              max_num_batched_tokens=job["max_num_batched_tokens"], num_gpu_blocks=_kv_blocks(prompts, max_tokens),
               enable_prefix_caching=False, kv_cache_dtype=job["kv_cache_dtype"])
     load_s, rss_loaded = time.perf_counter() - start, _rss_mib()
 
@@ -172,7 +175,7 @@ def llamacpp_figures(path: str, num_prompts: int) -> dict:
 def print_report(columns: dict[str, dict], header: dict, args: argparse.Namespace) -> None:
     print(f"# default model quantized vs dequantized: {header['workload']} v{header['version']}, "
           f"{header['num_prompts']} prompts x {header['max_tokens']} tokens, {NUM_THREADS} threads, float32, "
-          f"KV cache {args.kv_cache_dtype}")
+          f"KV cache {args.kv_cache_dtype}, steps of at most {args.max_num_batched_tokens} tokens")
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"cpu: {header['cpu']}; torch {header['torch']}")
     print(f"uptime at start: {header['uptime_start']}\nuptime at end:   {uptime()}")
@@ -229,6 +232,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="before each run, wait up to SECONDS for the machine to be quiet")
     parser.add_argument("--kv-cache-dtype", default="float16", choices=("auto", "float32", "float16", "bfloat16"),
                         help="cadence's KV cache element type (default float16, as llama.cpp's cache)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="cadence's step budget (default 512, llama.cpp's n_ubatch in its bench)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma list of the quantization modes to run (default {','.join(MODES)})")
     parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
@@ -250,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.single_prompts = QUICK["single_prompts"]
     job = {"prompt_ids": workload_prompt_ids(default_model_path(), num_prompts), "max_tokens": max_tokens,
-           "single_prompts": args.single_prompts, "kv_cache_dtype": args.kv_cache_dtype}
+           "single_prompts": args.single_prompts, "kv_cache_dtype": args.kv_cache_dtype,
+           "max_num_batched_tokens": args.max_num_batched_tokens}
     header = make_header(num_prompts, max_tokens)
     modes = [mode for mode in args.modes.split(",") if mode]
     unknown = set(modes) - set(MODES)

@@ -39,3 +39,25 @@ def keep_freed_memory() -> bool:
     settings = ((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
                 (_M_TOP_PAD, _TOP_PAD))
     return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim);
+    False where there is no glibc.
+
+    Loading a model frees its transients (decoded metadata, copied tensors)
+    in the middle of the heap, where the trim threshold never reaches: called
+    once before the KV cache is allocated, the process's resident memory is
+    the weights and the cache, not the load's leftovers as well.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim(0)
+    return True

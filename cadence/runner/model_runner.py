@@ -34,7 +34,7 @@ from cadence.runner.draft_gate import DraftCostModel, DraftGate
 from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
 from cadence.runner.grammar_mask import revive_dead_rows
 from cadence.runner.input_batch import InputBatch, RequestState, StepInputs
-from cadence.runner.host_memory import keep_freed_memory
+from cadence.runner.host_memory import keep_freed_memory, return_freed_memory
 from cadence.runner.kv_cache import PagedKVCache
 from cadence.runner.kv_transfer.base import KVConnectorWorker, take_connector_output
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
@@ -116,6 +116,8 @@ class ModelRunner:
             self.stager = StepStager(self.device, self.group, model_config.num_key_value_heads,
                                      self.sliding_window)
         self.kv_connector = kv_connector
+        if self.device.type == "cpu":
+            return_freed_memory()  # the load's leftovers, before the cache takes its place
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
