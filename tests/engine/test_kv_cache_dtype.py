@@ -15,6 +15,7 @@ from cadence.engine.builder import assemble_engine
 from cadence.models.testing import random_model, tiny_config
 from cadence.runner.kv_cache import resolve_kv_cache_dtype
 from cadence.sampling_params import SamplingParams
+from tests.runner.test_kv_connector_plumbing import generate
 
 WORKLOAD = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "cpu-throughput-v1.json"
 
@@ -64,31 +65,14 @@ def test_a_half_width_cache_holds_twice_the_blocks_in_the_same_memory(model):
     assert runner.attention_kernel is None or runner.attention_kernel.supports(torch.float32, torch.float16)
 
 
-def greedy(core, prompts, max_tokens):
-    from cadence.core.request import Request
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(Request(f"r{i}", prompt, params))
-    tokens = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(100):
-        if not core.has_work():
-            break
-        for outputs in core.step().values():
-            for output in outputs.outputs:
-                tokens[output.request_id].extend(output.new_token_ids)
-    assert not core.has_work()
-    return [tokens[f"r{i}"] for i in range(len(prompts))]
-
-
 def test_a_bfloat16_model_over_a_float16_cache_takes_pytorchs_path(model):
     bf16 = random_model(tiny_config(), dtype=torch.bfloat16, seed=0)
     engine, log = engine_of(bf16, num_gpu_blocks=32, kv_cache_dtype="float16")
     assert engine.core.runner.attention_kernel is None
     if engine.core.runner.cpu_paths.attention_kernel is not None:
         assert "attention over the cache on PyTorch's SDPA" in log
-    tokens = greedy(engine.core, [[5, 6, 7, 8, 9, 10], [11, 12, 13]], max_tokens=5)
-    assert [len(t) for t in tokens] == [5, 5]
+    tokens = generate(engine, {"a": [5, 6, 7, 8, 9, 10], "b": [11, 12, 13]}, max_tokens=5)
+    assert [len(t) for t in tokens.values()] == [5, 5]
     engine.core.scheduler.kv_cache_manager.check_consistency()
     assert engine.core.scheduler.kv_cache_manager.num_free_blocks == 32
 
