@@ -23,19 +23,25 @@ _TRIM_THRESHOLD = 1 << 30
 _TOP_PAD = 64 << 20
 
 
+def _glibc_function(name: str, argtypes: list, restype) -> "ctypes._CFuncPtr | None":
+    """glibc's ``name`` with its prototype, or None where there is no glibc."""
+    library = ctypes.util.find_library("c")
+    if library is None:
+        return None
+    try:
+        function = getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc for step-after-step reuse; False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    if mallopt is None:
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     settings = ((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
                 (_M_TOP_PAD, _TOP_PAD))
     return all(mallopt(param, value) == 1 for param, value in settings)
@@ -50,14 +56,8 @@ def return_freed_memory() -> bool:
     once before the KV cache is allocated, the process's resident memory is
     the weights and the cache, not the load's leftovers as well.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
+    malloc_trim = _glibc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+    if malloc_trim is None:
         return False
-    try:
-        malloc_trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes = [ctypes.c_size_t]
-    malloc_trim.restype = ctypes.c_int
     malloc_trim(0)
     return True

@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cadence.runner.cpu_paths import DTYPES
+
 if TYPE_CHECKING:
     from cadence.models.config import ModelConfig
-
-
-_KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -33,9 +32,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     """
     if name == "auto":
         return model_dtype
-    if name not in _KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: must be auto or one of {tuple(_KV_CACHE_DTYPES)}, got {name!r}")
-    dtype = _KV_CACHE_DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"kv_cache_dtype: must be auto or one of {tuple(DTYPES)}, got {name!r}")
+    dtype = DTYPES[name]
     if device.type != "cpu" and dtype != model_dtype:
         raise ValueError(f"kv_cache_dtype: {name} differs from the model's "
                          f"{str(model_dtype).removeprefix('torch.')}; on {device.type} the cache "
