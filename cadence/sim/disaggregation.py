@@ -40,7 +40,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cadence.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from cadence.core.kv_transfer.pd_connector import CONSUMER, PRODUCER, PDConnectorMetadata, RemoteBlocks
@@ -76,24 +76,34 @@ def link_bytes_per_second(link: str) -> float:
 
 class PulledKV:
     """The PDConnector's worker side on a simulated replica: the pulls a step
-    starts go to the fleet, which prices them on its links; the pulls the fleet
-    has finished are reported in the replica's next step. Pulls run beside the
-    steps: they cost a step nothing."""
+    starts go to the fleet, which prices them on its links and says when each
+    ends; a step reports the pulls that ended by its end (the real worker
+    reports what finished during a step when the step ends). Pulls run beside
+    the steps: they cost a step nothing."""
 
     def __init__(self) -> None:
+        self.now: Callable[[], float] = lambda: 0.0  # the replica's clock: a step's start
         self.started: list[RemoteBlocks] = []
-        self.finished_recving: set[str] = set()
-        self.finished_sending: set[str] = set()
+        self._ends: list[tuple[float, bool, str]] = []  # (when, received?, req_id), a heap
         self.reported = False  # the last step reported a finished pull
 
-    def charge(self, metadata: PDConnectorMetadata | None) -> tuple[float, float, KVConnectorOutput | None]:
+    def add_end(self, when: float, req_id: str, *, received: bool) -> None:
+        """The pull of ``req_id`` ends ``when``: received here, or sent from here."""
+        heapq.heappush(self._ends, (when, received, req_id))
+
+    def charge(self, metadata: PDConnectorMetadata | None,
+               forward_seconds: float) -> tuple[float, float, KVConnectorOutput | None]:
         if metadata is not None and metadata.loads:
             self.started.extend(metadata.loads)
-        recving, sending = self.finished_recving, self.finished_sending
+        step_end, ends = self.now() + forward_seconds, self._ends
+        recving: set[str] = set()
+        sending: set[str] = set()
+        while ends and ends[0][0] <= step_end:
+            _, received, req_id = heapq.heappop(ends)
+            (recving if received else sending).add(req_id)
         self.reported = bool(recving or sending)
         if not self.reported:
             return 0.0, 0.0, None
-        self.finished_recving, self.finished_sending = set(), set()
         return 0.0, 0.0, KVConnectorOutput(finished_sending=sending or None,
                                            finished_recving=recving or None)
 
@@ -190,6 +200,8 @@ class PDFleet:
 
             simulator = Simulator(scheduler_config, cache_config, cost_model,
                                   charge_host_time=charge_host_time, kv_connector=connector)
+            clock = simulator.clock
+            pulls.now = lambda: clock.now
             return PDReplica(simulator, CollectedEvents() if cache_aware else None, pulls)
         return make
 
@@ -337,9 +349,10 @@ class PDFleet:
     def _start_pull(self, now: float, decode_rank: int, load: RemoteBlocks) -> None:
         """A decode replica's pull of ``load`` starts now, once its link is free."""
         prefill_rank = int(load.remote_address.rsplit(":", 1)[1]) - _FIRST_KV_PORT
-        payload = (prefill_rank, load.remote_request_id, decode_rank, load.req_id)
+        prefill_pulls = self.prefills[prefill_rank].pulls
         if not load.local_block_ids:  # nothing to pull: the prefill replica may free its blocks
-            self._push(now, _PULL_END, payload[:2] + (None, None))
+            prefill_pulls.add_end(now, load.remote_request_id, received=False)
+            self._push(now, _PULL_END, (prefill_rank, None))
             return
         prompt_tokens = self.decodes[decode_rank].core.scheduler.requests[load.req_id].num_prompt_tokens
         first_block = math.ceil(prompt_tokens / self.block_size) - len(load.local_block_ids)
@@ -352,15 +365,16 @@ class PDFleet:
         self.transfer_bytes += num_bytes
         self.transfer_seconds += seconds
         self.link_wait_seconds += begin - now
-        self._push(begin + seconds + self.transfer_latency_s, _PULL_END, payload)
+        end = begin + seconds + self.transfer_latency_s
+        prefill_pulls.add_end(end, load.remote_request_id, received=False)
+        self.decodes[decode_rank].pulls.add_end(end, load.req_id, received=True)
+        self._push(end, _PULL_END, (prefill_rank, decode_rank))
 
-    def _end_pull(self, now: float, prefill_rank: int, prefill_req_id: str,
-                  decode_rank: int | None, decode_req_id: str | None) -> None:
-        """The pull ended: each side's next step reports it."""
-        self.prefills[prefill_rank].pulls.finished_sending.add(prefill_req_id)
+    def _end_pull(self, now: float, prefill_rank: int, decode_rank: int | None) -> None:
+        """A pull ended: a side that waits steps to report it (a side that
+        steps reports it at that step's end)."""
         self._wake(self.prefills, prefill_rank, now)
         if decode_rank is not None:
-            self.decodes[decode_rank].pulls.finished_recving.add(decode_req_id)
             self._wake(self.decodes, decode_rank, now)
 
     def _check_all_done(self) -> None:

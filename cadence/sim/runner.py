@@ -31,8 +31,9 @@ class StepTransfers(Protocol):
     """The worker side of a simulated KV connector: what a step's transfer
     plan costs, and the transfers the step reports finished."""
 
-    def charge(self, metadata: Any) -> tuple[float, float, KVConnectorOutput | None]:
-        """(seconds before the forward, seconds beside it, the connector output)."""
+    def charge(self, metadata: Any, forward_seconds: float) -> tuple[float, float, KVConnectorOutput | None]:
+        """(seconds before the forward, seconds beside it, the connector output);
+        ``forward_seconds``: the step's own cost."""
         ...
 
 
@@ -98,7 +99,7 @@ class SimRunner:
         seconds = self.cost_model.step_seconds(shape)
         connector_output = None
         if self.transfers is not None:
-            before, after, connector_output = self.transfers.charge(scheduler_output.kv_connector_metadata)
+            before, after, connector_output = self.transfers.charge(scheduler_output.kv_connector_metadata, seconds)
             seconds = before + max(seconds, after)
         self.last_step_seconds = seconds
         self.last_num_preempted = len(scheduler_output.preempted_req_ids)
