@@ -39,6 +39,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -85,7 +86,8 @@ class PulledKV:
         self.now: Callable[[], float] = lambda: 0.0  # the replica's clock: a step's start
         self.started: list[RemoteBlocks] = []
         self._ends: list[tuple[float, bool, str]] = []  # (when, received?, req_id), a heap
-        self.reported = False  # the last step reported a finished pull
+        # Per step executed and not yet absorbed (in order): whether it reports a pull.
+        self.reports: deque[bool] = deque()
 
     def add_end(self, when: float, req_id: str, *, received: bool) -> None:
         """The pull of ``req_id`` ends ``when``: received here, or sent from here."""
@@ -96,16 +98,18 @@ class PulledKV:
         if metadata is not None and metadata.loads:
             self.started.extend(metadata.loads)
         step_end, ends = self.now() + forward_seconds, self._ends
-        recving: set[str] = set()
-        sending: set[str] = set()
+        recving: dict[str, None] = {}
+        sending: dict[str, None] = {}
         while ends and ends[0][0] <= step_end:
             _, received, req_id = heapq.heappop(ends)
-            (recving if received else sending).add(req_id)
-        self.reported = bool(recving or sending)
-        if not self.reported:
+            (recving if received else sending)[req_id] = None
+        self.reports.append(bool(recving or sending))
+        if not (recving or sending):
             return 0.0, 0.0, None
-        return 0.0, 0.0, KVConnectorOutput(finished_sending=sending or None,
-                                           finished_recving=recving or None)
+        # Sets in the order the pulls ended (a dict's keys): the scheduler admits
+        # loaded requests in that order, whatever the process's string hash seed.
+        return 0.0, 0.0, KVConnectorOutput(finished_sending=sending.keys() or None,
+                                           finished_recving=recving.keys() or None)
 
     def take_started(self) -> list[RemoteBlocks]:
         started, self.started = self.started, []
@@ -121,11 +125,12 @@ class PDReplica(Replica):
 
     def step(self, now: float) -> tuple[float, Any, list]:
         result = super().step(now)
-        last = self.clock.last_step
+        last, reports = self.clock.last_step, self.pulls.reports
+        absorbed_report = reports.popleft() if reports else False  # one step absorbed per call
         # A held prompt alone keeps the engine stepping (its blocks are not sent):
         # nothing changes until a pull ends, an arrival, or a step's results.
-        self.stalled = not (last.shape.num_tokens or last.num_preempted or self.pulls.reported
-                            or self.core.in_flight)
+        pending = any(reports) or any(out.total_num_scheduled_tokens for out, _ in self.core.in_flight)
+        self.stalled = not (last.shape.num_tokens or last.num_preempted or absorbed_report or pending)
         return result
 
 

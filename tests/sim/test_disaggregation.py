@@ -3,6 +3,10 @@ the real PDConnector scheduler side on both pools, pulls priced on a link."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from cadence.sim.disaggregation import TRANSFER_LINKS, PDFleet, compare_pd
@@ -31,7 +35,7 @@ def assert_all_blocks_free(pd: PDFleet) -> None:
         scheduler.kv_cache_manager.check_consistency()
         assert scheduler.kv_cache_manager.usage == 0
         assert not scheduler.requests and not scheduler.lifecycle.sending_req_ids
-        assert not replica.core.has_work()
+        assert not scheduler.has_requests()
 
 
 @pytest.mark.parametrize("latency", [0.0, 2e-4])
@@ -78,13 +82,15 @@ def test_a_faster_link_gives_a_lower_ttft():
     assert ttft["ethernet-100g"] > ttft["pcie"] > ttft["rdma-400g"] > ttft["nvlink"]
 
 
-@pytest.mark.parametrize("routing", ["round_robin", "least_loaded", "cache_aware"])
-def test_every_request_finishes_whole_and_every_block_comes_back(routing):
+@pytest.mark.parametrize("routing, async_scheduling", [
+    ("round_robin", False), ("least_loaded", False), ("cache_aware", False), ("round_robin", True)])
+def test_every_request_finishes_whole_and_every_block_comes_back(routing, async_scheduling):
     """Small caches: decode replicas queue and preempt, prefill replicas hold
     prompts until they are pulled; nothing is lost, nothing leaks."""
     specs = SyntheticWorkload(num_requests=80, rate=400, prompt_len="uniform:50:400",
                               output_len="uniform:1:60", prefix_groups=4, seed=2).generate()
-    pd = fleet(2, 3, routing=routing, num_gpu_blocks=96, max_num_seqs=8)
+    pd = fleet(2, 3, routing=routing, num_gpu_blocks=96, max_num_seqs=8,
+               async_scheduling=async_scheduling)
     result = pd.run(specs)
     if routing == "round_robin":
         assert result.num_preemptions > 0  # the small caches do bite
@@ -137,3 +143,16 @@ def test_compare_pd_runs_the_same_specs_on_data_parallel_replicas_and_each_link(
     assert "transfers" not in summaries["dp 2"]
     pulled = [s["transfers"]["seconds"] for label, s in summaries.items() if label != "dp 2"]
     assert pulled[1] == pytest.approx(pulled[0] * 32e9 / 12.5e9)
+
+
+def test_a_run_does_not_depend_on_the_string_hash_seed():
+    """Pulls that end in one step are reported in the order they ended."""
+    script = (
+        "from tests.sim.test_disaggregation import fleet\n"
+        "from cadence.sim.workload import SyntheticWorkload\n"
+        "specs = SyntheticWorkload(num_requests=60, rate=800, prompt_len='uniform:50:300',\n"
+        "                          output_len='uniform:1:40', seed=5).generate()\n"
+        "print(list(fleet(2, 2, num_gpu_blocks=96, max_num_seqs=8).run(specs).recorder.first_token))\n")
+    runs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(runs) == 1
