@@ -3,6 +3,7 @@ the real PDConnector scheduler side on both pools, pulls priced on a link."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -56,6 +57,26 @@ def test_an_idle_fleet_serves_a_request_in_prefill_plus_pull_plus_one_decode_ste
     assert summary["transfers"] == {"count": 1, "bytes": 1000 * KV_BYTES_PER_TOKEN,
                                     "seconds": pytest.approx(pull), "link_wait_s": 0.0}
     assert summary["num_finished"] == 1 and recorder.num_output == [6]
+
+
+def test_a_pull_that_ends_during_a_decode_step_is_reported_when_that_step_ends():
+    """Request 0 keeps the decode replica busy in steps of one token; request 1's
+    pull starts with the step after it reaches the decode replica, and its first
+    token comes one step after the step in which its pull ended."""
+    cost = LinearCost()
+    pull_s = KV_BYTES_PER_TOKEN / 32e9  # per token, on pcie
+    one_token_step = cost.base + cost.per_token
+    grid_start = cost.base + cost.per_token * 16 + 16 * pull_s  # request 0's last prompt token
+
+    def next_step_start(t: float) -> float:
+        return grid_start + math.ceil((t - grid_start) / one_token_step) * one_token_step
+
+    recorder = fleet().run([RequestSpec(0.0, 16, 200), RequestSpec(0.002, 1000, 3)]).recorder
+    assert recorder.first_token[0] == pytest.approx(grid_start + one_token_step, rel=1e-12)
+    pull_start = next_step_start(0.002 + cost.base + cost.per_token * 1000)
+    reported = next_step_start(pull_start + 1000 * pull_s)
+    two_token_step = cost.base + 2 * cost.per_token  # request 1's last prompt token, request 0's next
+    assert recorder.first_token[1] == pytest.approx(reported + two_token_step, rel=1e-9)
 
 
 def test_the_decode_replica_computes_only_the_last_prompt_token_and_the_outputs():
