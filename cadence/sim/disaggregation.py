@@ -65,7 +65,9 @@ TRANSFER_LINKS = {**COPY_LINKS, "ethernet-100g": 12.5e9, "rdma-400g": 50e9}
 
 _STEP_END, _PULL_END, _ARRIVAL = 0, 1, 2  # the order of events at equal times
 _FIRST_KV_PORT = 14579  # prefill replica k serves its blocks on this port + k
-_REMOTE_DECODE = {"kv_transfer_params": {"do_remote_decode": True}}
+# What the proxy sends a prefill replica: one token, and hold the prompt's KV.
+_PREFILL_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0,
+                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}})
 
 
 def link_bytes_per_second(link: str) -> float:
@@ -271,8 +273,7 @@ class PDFleet:
             recorder.on_reject(index)
             return
         prompt = self.factory.prompt_maker.make(index, spec)
-        params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, extra_args=_REMOTE_DECODE)
-        request = self.factory.make(index, spec, prompt_token_ids=prompt, params=params)
+        request = self.factory.make(index, spec, prompt_token_ids=prompt, params=_PREFILL_PARAMS)
         rank = self.prefill_router.route(request.request_id, prompt, 1)
         try:
             self.prefills[rank].core.add_request(request)
@@ -284,7 +285,8 @@ class PDFleet:
         recorder.on_arrival(index, request.request_id, spec.arrival_time)
         self._wake(self.prefills, rank, now)
 
-    def _prefilled(self, now: float, outputs: Any, specs: Sequence[RequestSpec]) -> None:
+    def _prefilled(self, now: float, outputs: Any, specs: Sequence[RequestSpec],
+                   recorder: MetricsRecorder) -> None:
         """A prefill step's finished requests go on to a decode replica (their
         one token is not delivered)."""
         for engine_outputs in outputs.values():
@@ -294,17 +296,28 @@ class PDFleet:
                 self.prefill_router.release(out.request_id)
                 index = int(out.request_id)
                 self._num_cached_at_prefill[index] = out.num_cached_tokens
-                self._send_to_decode(now, index, specs[index], out.kv_transfer_params)
+                if not self._send_to_decode(now, index, specs[index], out.kv_transfer_params):
+                    recorder.on_reject(index)
 
-    def _send_to_decode(self, now: float, index: int, spec: RequestSpec, kv_transfer_params: dict | None) -> None:
+    def _send_to_decode(self, now: float, index: int, spec: RequestSpec, kv_transfer_params: dict | None) -> bool:
+        """False when the decode replica refuses it (slo_reject): the prefill
+        replica then frees the prompt it holds."""
         prompt = self._prompts.pop(index)
         extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, temperature=0.0,
                                 extra_args=extra_args)
         request = self.factory.make(index, spec, prompt_token_ids=prompt, params=params)
         rank = self.decode_router.route(request.request_id, prompt, spec.output_tokens)
-        self.decodes[rank].core.add_request(request)
+        try:
+            self.decodes[rank].core.add_request(request)
+        except SLOUnattainable:
+            self.decode_router.release(request.request_id)
+            if kv_transfer_params:
+                self._release_hold(now, kv_transfer_params["remote_port"] - _FIRST_KV_PORT,
+                                   kv_transfer_params["remote_request_id"])
+            return False
         self._wake(self.decodes, rank, now)
+        return True
 
     # ------------------------------------------------------------ steps
 
@@ -333,7 +346,7 @@ class PDFleet:
                         if out.finish_reason is not None:
                             router.release(out.request_id)
             else:
-                self._prefilled(now, outputs, specs)
+                self._prefilled(now, outputs, specs, recorder)
         if events:
             router.absorb_kv_events(rank, events)
         self._record_queues(now, recorder)
@@ -354,10 +367,8 @@ class PDFleet:
     def _start_pull(self, now: float, decode_rank: int, load: RemoteBlocks) -> None:
         """A decode replica's pull of ``load`` starts now, once its link is free."""
         prefill_rank = int(load.remote_address.rsplit(":", 1)[1]) - _FIRST_KV_PORT
-        prefill_pulls = self.prefills[prefill_rank].pulls
         if not load.local_block_ids:  # nothing to pull: the prefill replica may free its blocks
-            prefill_pulls.add_end(now, load.remote_request_id, received=False)
-            self._push(now, _PULL_END, (prefill_rank, None))
+            self._release_hold(now, prefill_rank, load.remote_request_id)
             return
         prompt_tokens = self.decodes[decode_rank].core.scheduler.requests[load.req_id].num_prompt_tokens
         first_block = math.ceil(prompt_tokens / self.block_size) - len(load.local_block_ids)
@@ -371,9 +382,14 @@ class PDFleet:
         self.transfer_seconds += seconds
         self.link_wait_seconds += begin - now
         end = begin + seconds + self.transfer_latency_s
-        prefill_pulls.add_end(end, load.remote_request_id, received=False)
+        self.prefills[prefill_rank].pulls.add_end(end, load.remote_request_id, received=False)
         self.decodes[decode_rank].pulls.add_end(end, load.req_id, received=True)
         self._push(end, _PULL_END, (prefill_rank, decode_rank))
+
+    def _release_hold(self, now: float, prefill_rank: int, prefill_req_id: str) -> None:
+        """The prefill replica frees a prompt it holds, nothing pulled."""
+        self.prefills[prefill_rank].pulls.add_end(now, prefill_req_id, received=False)
+        self._push(now, _PULL_END, (prefill_rank, None))
 
     def _end_pull(self, now: float, prefill_rank: int, decode_rank: int | None) -> None:
         """A pull ended: a side that waits steps to report it (a side that

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cadence.core.sched.slo import SLOUnattainable
 from cadence.sim.disaggregation import TRANSFER_LINKS, PDFleet, compare_pd
 from cadence.sim.simulator import SimulationStalled
 from cadence.sim.workload import RequestSpec, SyntheticWorkload
@@ -127,6 +128,21 @@ def test_a_request_no_decode_replica_can_hold_is_rejected_not_hung():
     result = pd.run(specs)
     assert result.recorder.rejected == [False, True, True]
     assert result.summary()["num_finished"] == 1
+    assert_all_blocks_free(pd)
+
+
+def test_a_request_the_decode_replica_refuses_frees_the_prompt_its_prefill_holds():
+    pd = fleet()
+
+    def refuse_request_1(request):
+        if request.request_id == "1":
+            raise SLOUnattainable("slo_ttft_s: out of reach", 1.0)
+
+    pd.decodes[0].core.scheduler._check_admission = refuse_request_1
+    result = pd.run(specs_at([0.0, 0.01, 0.02], prompt=200))
+    assert result.recorder.rejected == [False, True, False]
+    assert result.recorder.finished == [True, False, True]
+    assert result.num_transfers == 2
     assert_all_blocks_free(pd)
 
 
