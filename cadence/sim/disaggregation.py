@@ -408,7 +408,8 @@ class PDFleet:
 
 def compare_pd(specs: Sequence[RequestSpec], num_prefill: int, num_decode: int, links: Sequence[str],
                scheduler_config: SchedulerConfig, cache_config: CacheConfig, cost_model: CostModel, *,
-               routing: str = "least_loaded", transfer_latency_s: float = 0.0) -> dict[str, SimResult]:
+               routing: str = "least_loaded", transfer_latency_s: float = 0.0,
+               load_margin_tokens: int = 8192, charge_host_time: bool = False) -> dict[str, SimResult]:
     """The same specs on ``num_prefill + num_decode`` data-parallel replicas (the
     same GPUs, no disaggregation), then on the P/D fleet over each link."""
     for link in links:
@@ -416,11 +417,13 @@ def compare_pd(specs: Sequence[RequestSpec], num_prefill: int, num_decode: int, 
     num_replicas = num_prefill + num_decode
     results: dict[str, SimResult] = {}
     label = f"dp {num_replicas}"
-    results[label] = ReplicaFleet(num_replicas, routing, scheduler_config, cache_config,
-                                  cost_model).run(specs, label=label)
+    results[label] = ReplicaFleet(num_replicas, routing, scheduler_config, cache_config, cost_model,
+                                  load_margin_tokens=load_margin_tokens,
+                                  charge_host_time=charge_host_time).run(specs, label=label)
     for link in links:
         fleet = PDFleet(num_prefill, num_decode, link, scheduler_config, cache_config, cost_model,
-                        routing=routing, transfer_latency_s=transfer_latency_s)
+                        routing=routing, transfer_latency_s=transfer_latency_s,
+                        load_margin_tokens=load_margin_tokens, charge_host_time=charge_host_time)
         result = fleet.run(specs)
         results[result.label] = result
     return results
