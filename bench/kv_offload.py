@@ -189,7 +189,7 @@ def sim_part(args) -> dict:
         simulator = Simulator(config, CacheConfig(num_gpu_blocks=num_blocks, enable_prefix_caching=caching),
                               cost_model, kv_tier=tier)
         result = simulator.run(specs)
-        copies = simulator.runner.tier_copies
+        copies = simulator.runner.transfers
         return simulator, result, {
             "clock_s": result.clock_s, "tokens_computed": simulator.runner.num_tokens_computed,
             "preemptions": result.num_preemptions,

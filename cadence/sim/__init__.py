@@ -7,7 +7,9 @@
 Modules: ``runner`` (``SimRunner``), ``simulator`` (the clock and the loop),
 ``cost_model`` (roofline, calibrated, hardware profiles), ``calibrate``
 (timing the real CPU runner), ``workload`` (synthetic and JSONL traces),
-``metrics``, ``plots``, ``cli`` (``cadence simulate``).
+``metrics``, ``plots``, ``cli`` (``cadence simulate``), ``replicas`` (data-parallel
+replicas behind the router), ``disaggregation`` (prefill and decode replicas, the
+prompt's KV pulled over a link: ``PDFleet``, ``compare_pd``).
 
 Names load on first use: ``cadence.cli`` imports ``cadence.sim.cli`` for
 every command, and importing this package must stay cheap. The simulator
@@ -17,6 +19,7 @@ itself never loads torch (``tests/sim/test_sim_layering.py``).
 from cadence._lazy import lazy_exports
 
 _MODULES = {
+    "disaggregation": ("PDFleet", "compare_pd"),
     "cost_model": ("PROFILES", "CalibratedCostModel", "HardwareProfile", "ModelShape",
                    "RooflineCostModel", "StepShape", "TokenCurve", "make_cost_model"),
     "metrics": ("SLO", "MetricsRecorder", "summarize"),

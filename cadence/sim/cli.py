@@ -79,6 +79,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="the tier's link: pcie (32 GB/s) or nvlink (NVLink-C2C, 450 GB/s)")
     parser.add_argument("--out", metavar="DIR", help=f"write {SUMMARY_FILE} and PNG plots here")
     _add_data_parallel_options(parser)
+    _add_disaggregation_options(parser)
 
 
 def _add_data_parallel_options(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +94,18 @@ def _add_data_parallel_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-routing", dest="dp_routings", default="cache_aware",
                         help="with --data-parallel-size > 1: routing policies to compare, comma "
                              "separated: round_robin, least_loaded, cache_aware (default: cache_aware)")
+
+
+def _add_disaggregation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-decode", metavar="P,D", default=None,
+                        help="prefill/decode disaggregation: P prefill and D decode replicas (the "
+                             "PDConnector's scheduler side, each pull priced on --pd-link), beside "
+                             "P+D data-parallel replicas; routing from --dp-routing (one policy)")
+    parser.add_argument("--pd-link", dest="pd_links", default="pcie",
+                        help="with --prefill-decode: links to compare, comma separated: "
+                             "pcie, nvlink, ethernet-100g, rdma-400g (default: pcie)")
+    parser.add_argument("--pd-transfer-latency", type=float, default=0.0, metavar="S",
+                        help="with --prefill-decode: fixed seconds added to each pull (default: 0)")
 
 
 def _add_calibrate_options(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +169,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     cost_model = make_cost_model(args.cost_model, args.model_config)
     if args.data_parallel_size < 1:
         raise ValueError("data_parallel_size: must be >= 1")
-    if args.data_parallel_size > 1:
+    if args.prefill_decode is not None:
+        if args.data_parallel_size > 1 or kv_tier is not None:
+            raise ValueError("prefill_decode: combines with neither --data-parallel-size nor "
+                             "--kv-offload-size in the simulator")
+        results, per_replica = _simulate_pd(args, specs, policies, options, cost_model,
+                                            policy_options), {}
+    elif args.data_parallel_size > 1:
         if kv_tier is not None:
             raise ValueError("kv_offload_size: not supported yet with --data-parallel-size > 1 "
                              "in the simulator")
@@ -184,6 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "cost_model": cost_model.describe(),
             "scheduler": vars_of(options.scheduler),
             "data_parallel_size": args.data_parallel_size,
+            "prefill_decode": args.prefill_decode,
             "cache": vars_of(_cache_of(cost_model, options.cache)),
             "policies": summaries,
         }
@@ -217,6 +237,33 @@ def _simulate_replicas(args: argparse.Namespace, specs: list, policies: list[str
             {label: counts for label, (_, counts) in runs.items()})
 
 
+def _simulate_pd(args: argparse.Namespace, specs: list, policies: list[str], options: Any,
+                 cost_model: Any, policy_options: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``--prefill-decode P,D``: P+D data-parallel replicas, then P prefill and D
+    decode replicas over each link."""
+    from cadence.config import RouterConfig
+    from cadence.config_cli import options_of
+    from cadence.sim.disaggregation import compare_pd
+
+    sizes = args.prefill_decode.split(",")
+    if len(sizes) != 2 or not all(size.strip().isdigit() and int(size) >= 1 for size in sizes):
+        raise ValueError(f"prefill_decode: must be P,D (two integers >= 1), got {args.prefill_decode!r}")
+    if not args.pd_transfer_latency >= 0:
+        raise ValueError(f"pd_transfer_latency: must be >= 0 s, got {args.pd_transfer_latency!r}")
+    if len(policies) != 1:
+        raise ValueError("policy: with prefill_decode the runs compare links; give one scheduling policy")
+    routings = [r.strip() for r in args.dp_routings.split(",") if r.strip()]
+    if len(routings) != 1:
+        raise ValueError("dp_routing: with prefill_decode give one routing policy")
+    router = RouterConfig(**{**options_of(args, (RouterConfig,)), "dp_routing": routings[0]})
+    scheduler = dataclasses.replace(options.scheduler, policy=policies[0],
+                                    **policy_options.get(policies[0], {}))
+    return compare_pd(specs, int(sizes[0]), int(sizes[1]), [link.strip() for link in args.pd_links.split(",")],
+                      scheduler, options.cache, cost_model, routing=router.dp_routing,
+                      transfer_latency_s=args.pd_transfer_latency,
+                      load_margin_tokens=router.dp_load_margin_tokens, charge_host_time=args.charge_host_time)
+
+
 def _cache_of(cost_model: Any, cache: Any) -> Any:
     """The cache config as simulated (blocks sized by the cost model when unset)."""
     import dataclasses
@@ -244,6 +291,7 @@ ROWS = (
     ("ITL p99 (s)", ("itl_s", "p99"), "{:.4f}"),
     ("E2E p50 (s)", ("e2e_s", "p50"), "{:.3f}"),
     ("preemptions", ("preemptions",), "{}"),
+    ("pulls (s on links)", ("transfers", "seconds"), "{:.2f}"),
     ("prefix hit rate", ("prefix_hit_rate",), "{:.1%}"),
     ("Jain, backlogged", ("jain_index_backlogged",), "{:.3f}"),
     ("finished", ("num_finished",), "{}"),

@@ -76,7 +76,8 @@ class TierCopies:
         self.num_blocks_copied = 0
         self.copy_seconds = 0.0
 
-    def charge(self, metadata: OffloadingMetadata | None) -> tuple[float, float, KVConnectorOutput | None]:
+    def charge(self, metadata: OffloadingMetadata | None,
+               forward_seconds: float = 0.0) -> tuple[float, float, KVConnectorOutput | None]:
         """(seconds before the forward, seconds of saves after it, the connector output)."""
         if metadata is None:
             return 0.0, 0.0, None

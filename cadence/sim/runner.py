@@ -17,17 +17,24 @@ before it is absorbed, so the clock takes the steps in order from there).
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from cadence.core.outputs import ModelRunnerOutput
+from cadence.core.outputs import KVConnectorOutput, ModelRunnerOutput
 from cadence.core.sched.output import SchedulerOutput
 from cadence.core.testing import samples
 from cadence.sim.cost_model import CostModel, StepShape
 
-if TYPE_CHECKING:
-    from cadence.sim.kv_tier import TierCopies
-
 FILLER_TOKEN_ID = 0
+
+
+class StepTransfers(Protocol):
+    """The worker side of a simulated KV connector: what a step's transfer
+    plan costs, and the transfers the step reports finished."""
+
+    def charge(self, metadata: Any, forward_seconds: float) -> tuple[float, float, KVConnectorOutput | None]:
+        """(seconds before the forward, seconds beside it, the connector output);
+        ``forward_seconds``: the step's own cost."""
+        ...
 
 
 class ExecutedStep(NamedTuple):
@@ -39,10 +46,11 @@ class ExecutedStep(NamedTuple):
 class SimRunner:
     """Charges each step's cost; "samples" one filler token per finished row."""
 
-    def __init__(self, cost_model: CostModel, tier_copies: "TierCopies | None" = None) -> None:
-        """``tier_copies``: price the KV tier's copy orders too (``cadence.sim.kv_tier``)."""
+    def __init__(self, cost_model: CostModel, transfers: StepTransfers | None = None) -> None:
+        """``transfers``: price a KV connector's step plans too (the host tier's
+        copies, ``cadence.sim.kv_tier``; P/D pulls, ``cadence.sim.disaggregation``)."""
         self.cost_model = cost_model
-        self.tier_copies = tier_copies
+        self.transfers = transfers
         # req_id -> known tokens (prompt + sampled), kept across preemption.
         self._num_tokens: dict[str, int] = {}
         self.last_step_seconds = 0.0
@@ -90,8 +98,8 @@ class SimRunner:
         self.last_shape = shape
         seconds = self.cost_model.step_seconds(shape)
         connector_output = None
-        if self.tier_copies is not None:
-            before, after, connector_output = self.tier_copies.charge(scheduler_output.kv_connector_metadata)
+        if self.transfers is not None:
+            before, after, connector_output = self.transfers.charge(scheduler_output.kv_connector_metadata, seconds)
             seconds = before + max(seconds, after)
         self.last_step_seconds = seconds
         self.last_num_preempted = len(scheduler_output.preempted_req_ids)

@@ -29,13 +29,14 @@ from typing import Any, Callable, Mapping, Sequence
 from cadence.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
 from cadence.core.sched.slo import SLOUnattainable
 from cadence.core.request import Request
+from cadence.core.sched.kv_connector import KVConnectorBase
 from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore
 from cadence.sampling_params import SamplingParams
 from cadence.sim.cost_model import CostModel, StepShape
 from cadence.sim.kv_tier import SimKVTier, TierCopies, make_tier_connector
 from cadence.sim.metrics import SLO, MetricsRecorder, summarize
-from cadence.sim.runner import ExecutedStep, SimRunner
+from cadence.sim.runner import ExecutedStep, SimRunner, StepTransfers
 from cadence.sim.workload import PromptMaker, RequestSpec
 
 
@@ -55,13 +56,19 @@ class RequestFactory:
     def fits(self, spec: RequestSpec) -> bool:
         return spec.prompt_tokens < self.max_model_len
 
-    def make(self, index: int, spec: RequestSpec) -> Request:
-        params = self._params.get(spec.output_tokens)
+    def make(self, index: int, spec: RequestSpec, *, prompt_token_ids: list[int] | None = None,
+             params: SamplingParams | None = None) -> Request:
+        """The request of ``spec``; ``prompt_token_ids`` and ``params`` given: those
+        instead of its own (a P/D fleet's two halves of one request)."""
         if params is None:
-            params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, temperature=0.0)
-            self._params[spec.output_tokens] = params
+            params = self._params.get(spec.output_tokens)
+            if params is None:
+                params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, temperature=0.0)
+                self._params[spec.output_tokens] = params
+        if prompt_token_ids is None:
+            prompt_token_ids = self.prompt_maker.make(index, spec)
         return Request(
-            str(index), self.prompt_maker.make(index, spec), params,
+            str(index), prompt_token_ids, params,
             eos_token_id=self.eos_token_id, arrival_time=spec.arrival_time,
             priority=spec.priority, client_index=spec.client, max_model_len=self.max_model_len,
             tenant=f"client{spec.client}", slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
@@ -297,11 +304,16 @@ class Simulator:
         prompt_maker: PromptMaker | None = None,
         charge_host_time: bool = False,
         kv_tier: SimKVTier | None = None,
+        kv_connector: Callable[[CacheConfig], tuple[KVConnectorBase, StepTransfers]] | None = None,
     ) -> None:
         """``charge_host_time``: charge the engine loop's measured seconds per
         step on the virtual clock too (see ``VirtualClock``). ``kv_tier``: a
         host-memory KV tier (and swap preemption), its copies charged at the
-        link's bandwidth (see ``cadence.sim.kv_tier``)."""
+        link's bandwidth (see ``cadence.sim.kv_tier``). ``kv_connector``: given
+        the sized cache config, another scheduler-side connector and what its
+        step plans cost on the runner (a P/D fleet's, ``cadence.sim.disaggregation``)."""
+        if kv_tier is not None and kv_connector is not None:
+            raise ValueError("kv_offload_size: the host tier and another KV connector cannot be combined")
         if cache_config.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype: the simulator's cost models keep the KV cache in the "
                              "model's dtype; size a cache of another width with num_gpu_blocks")
@@ -315,15 +327,17 @@ class Simulator:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         # The policy reads the virtual clock (arrival times are on it).
-        connector, tier_copies = None, None
+        connector, transfers = None, None
         if kv_tier is not None:
             connector = make_tier_connector(kv_tier, cost_model, cache_config.block_size,
                                             cache_config.num_gpu_blocks)
-            tier_copies = TierCopies(connector.context.bytes_per_block, kv_tier.bytes_per_second)
+            transfers = TierCopies(connector.context.bytes_per_block, kv_tier.bytes_per_second)
+        elif kv_connector is not None:
+            connector, transfers = kv_connector(cache_config)
         self.connector = connector
         self.scheduler = Scheduler(scheduler_config, cache_config, kv_connector=connector,
                                    clock=lambda: self.clock.now)
-        self.runner = SimRunner(cost_model, tier_copies)
+        self.runner = SimRunner(cost_model, transfers)
         overlapped = scheduler_config.async_scheduling
         # Steps execute at once on submission: the clock, not a thread, overlaps them.
         self.core = EngineCore(self.scheduler, self.runner, async_scheduling=overlapped,

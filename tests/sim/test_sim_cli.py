@@ -162,3 +162,34 @@ def test_data_parallel_options_are_checked(flags, field):
     args = parse(["simulate", "--data-parallel-size", "2", "--num-requests", "4", *flags])
     with pytest.raises(ValueError, match=f"^{field}:"):
         args.func(args)
+
+
+def test_prefill_decode_runs_data_parallel_replicas_then_each_link(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = parse(["simulate", "--prefill-decode", "1,1", "--pd-link", "pcie,ethernet-100g",
+                  "--dp-routing", "least_loaded", "--num-requests", "20", "--rate", "20",
+                  "--prompt-len", "uniform:200:800", "--output-len", "uniform:4:32", "--out", str(out)])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "dp 2" in table and "pd 1P1D ethernet-100g" in table and "pulls (s on links)" in table
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prefill_decode"] == "1,1"
+    runs = summary["policies"]
+    assert [runs[label]["num_finished"] for label in runs] == [20, 20, 20]
+    pulls = [runs[f"pd 1P1D {link}"]["transfers"]["seconds"] for link in ("pcie", "ethernet-100g")]
+    assert pulls[1] == pytest.approx(pulls[0] * 32 / 12.5)
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--prefill-decode", "2"], "prefill_decode"),
+    (["--prefill-decode", "1,0"], "prefill_decode"),
+    (["--prefill-decode", "1,1", "--pd-link", "pcie,smoke-signals"], "pd_link"),
+    (["--prefill-decode", "1,1", "--pd-transfer-latency", "-1"], "pd_transfer_latency"),
+    (["--prefill-decode", "1,1", "--dp-routing", "round_robin,cache_aware"], "dp_routing"),
+    (["--prefill-decode", "1,1", "--dp-routing", "random"], "dp_routing"),
+    (["--prefill-decode", "1,1", "--data-parallel-size", "2"], "prefill_decode"),
+])
+def test_prefill_decode_options_are_checked(flags, field):
+    args = parse(["simulate", "--num-requests", "4", *flags])
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        args.func(args)

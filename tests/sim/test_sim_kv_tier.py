@@ -26,7 +26,7 @@ def test_prefixes_past_the_primary_cache_hit_the_tier():
     assert simulator.connector.num_hit_tokens > 0
     assert tiered.summary()["prefix_hit_rate"] > plain.summary()["prefix_hit_rate"] + 0.1
     assert tiered.summary()["ttft_s"]["p50"] < plain.summary()["ttft_s"]["p50"]
-    assert simulator.runner.tier_copies.copy_seconds > 0
+    assert simulator.runner.transfers.copy_seconds > 0
 
 
 @pytest.mark.parametrize("link", sorted(COPY_LINKS))

@@ -7,6 +7,7 @@ SCRIPT = r"""
 import sys
 sys.modules["torch"] = None  # any 'import torch' now raises ImportError
 import cadence.sim.simulator, cadence.sim.cost_model, cadence.sim.workload, cadence.sim.cli
+import cadence.sim.disaggregation
 from cadence.engine import EngineCore
 from cadence.models.config import ModelConfig
 assert not any(m == "torch" or m.startswith("torch.") for m, v in sys.modules.items() if v is not None)
