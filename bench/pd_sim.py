@@ -24,14 +24,13 @@ virtual clock counts; the wall time is the simulator's own.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.rate_sweep import sweep_rates  # noqa: E402
 from cadence.config import CacheConfig, SchedulerConfig  # noqa: E402
 from cadence.sim.cost_model import make_cost_model  # noqa: E402
 from cadence.sim.disaggregation import compare_pd  # noqa: E402
@@ -96,14 +95,7 @@ def main() -> int:
     print(f"{WORKLOAD}: 2 x H100 roofline, Llama-3-8B; dp 2 vs 1 prefill + 1 decode; "
           f"{args.num_requests} requests, prompts 1024-4096, outputs 128-512, seed {args.seed}; "
           f"host {platform.processor() or platform.machine()} (virtual clock)")
-    results = {}
-    for rate in (float(r) for r in args.rates.split(",")):
-        start = time.perf_counter()
-        results[rate] = rows = run(rate, args)
-        print(table(rate, rows))
-        print(f"(simulated in {time.perf_counter() - start:.0f} s)\n", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"workload": WORKLOAD, "results": results}, indent=2))
+    sweep_rates(args.rates, lambda rate: run(rate, args), table, WORKLOAD, args.json)
     return 0
 
 

@@ -23,14 +23,13 @@ simulator's own.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.rate_sweep import sweep_rates  # noqa: E402
 from cadence.config import CacheConfig, SchedulerConfig  # noqa: E402
 from cadence.sim.cost_model import LLAMA_3_8B, PROFILES, ModelShape, RooflineCostModel  # noqa: E402
 from cadence.sim.replicas import compare_routing  # noqa: E402
@@ -95,14 +94,7 @@ def main() -> int:
     print(f"$ python {' '.join(sys.argv)}")
     print(f"{WORKLOAD}: {NUM_REPLICAS} replicas, Llama-3-8B on the h100 roofline; "
           f"{args.num_requests} requests, seed {args.seed}; host {platform.processor() or platform.machine()}")
-    results = {}
-    for rate in (float(r) for r in args.rates.split(",")):
-        start = time.perf_counter()
-        results[rate] = rows = run(rate, args)
-        print(table(rate, rows))
-        print(f"(simulated in {time.perf_counter() - start:.0f} s)\n", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"workload": WORKLOAD, "results": results}, indent=2))
+    sweep_rates(args.rates, lambda rate: run(rate, args), table, WORKLOAD, args.json)
     return 0
 
 

@@ -54,7 +54,7 @@ from cadence.sampling_params import SamplingParams
 from cadence.sim.cost_model import CostModel
 from cadence.sim.kv_tier import COPY_LINKS
 from cadence.sim.metrics import SLO, MetricsRecorder
-from cadence.sim.replicas import CollectedEvents, Replica, ReplicaFleet
+from cadence.sim.replicas import CollectedEvents, Replica, ReplicaFleet, record_queues
 from cadence.sim.simulator import RequestFactory, SimResult, Simulator, SimulationStalled, _gc_paused
 from cadence.sim.workload import PromptMaker, RequestSpec
 
@@ -349,18 +349,8 @@ class PDFleet:
                 self._prefilled(now, outputs, specs, recorder)
         if events:
             router.absorb_kv_events(rank, events)
-        self._record_queues(now, recorder)
+        record_queues(self.replicas, now, recorder)  # both pools
         self._start_step(pool, rank, now)
-
-    def _record_queues(self, now: float, recorder: MetricsRecorder) -> None:
-        """Running and waiting requests of both pools, and their mean KV usage."""
-        num_running = num_waiting = 0
-        usage = 0.0
-        for replica in self.replicas:
-            running, waiting = replica.core.scheduler.get_request_counts()
-            num_running, num_waiting = num_running + running, num_waiting + waiting
-            usage += replica.core.scheduler.kv_cache_manager.usage
-        recorder.on_queues(now, num_running, num_waiting, usage / len(self.replicas))
 
     # ------------------------------------------------------------ pulls
 

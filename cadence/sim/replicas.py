@@ -86,6 +86,17 @@ class Replica:
         return end, outputs, self.publisher.take() if self.publisher is not None else []
 
 
+def record_queues(replicas: Sequence[Replica], now: float, recorder: MetricsRecorder) -> None:
+    """The replicas' running and waiting requests, and their mean KV usage."""
+    num_running = num_waiting = 0
+    usage = 0.0
+    for replica in replicas:
+        running, waiting = replica.core.scheduler.get_request_counts()
+        num_running, num_waiting = num_running + running, num_waiting + waiting
+        usage += replica.core.scheduler.kv_cache_manager.usage
+    recorder.on_queues(now, num_running, num_waiting, usage / len(replicas))
+
+
 class ReplicaFleet:
     """``num_replicas`` simulated engine cores behind one ``DPRouter`` (module docstring)."""
 
@@ -176,18 +187,8 @@ class ReplicaFleet:
                         self.router.release(out.request_id)
         if events:
             self.router.absorb_kv_events(rank, events)
-        self._record_queues(now, recorder)
+        record_queues(self.replicas, now, recorder)
         self._start_step(rank, now)
-
-    def _record_queues(self, now: float, recorder: MetricsRecorder) -> None:
-        """The fleet's running and waiting requests, and its mean KV usage."""
-        num_running = num_waiting = 0
-        usage = 0.0
-        for replica in self.replicas:
-            running, waiting = replica.core.scheduler.get_request_counts()
-            num_running, num_waiting = num_running + running, num_waiting + waiting
-            usage += replica.core.scheduler.kv_cache_manager.usage
-        recorder.on_queues(now, num_running, num_waiting, usage / len(self.replicas))
 
     def _check_all_done(self) -> None:
         stuck = sum(r.core.scheduler.get_num_unfinished_requests() for r in self.replicas)
