@@ -1,11 +1,17 @@
 """Matmuls on GGUF's quantized blocks in C, for the CPU (``cadence/kernels/csrc/quant_matmul.c``).
 
-``x [M, K] @ W^T`` with W kept as ggml blocks (Q8_0, Q4_0, Q4_1, Q4_K): each
-thread decodes a few weight rows at a time to float32 and multiplies them
-with every row of x, so the weight's bytes are read once per call (the cost
-of a decode step) and its decoding is shared by all rows (prefill, batches).
-Built with AVX2 FMA register tiles where the build's ``-march`` has them,
-as plain C otherwise (``isa`` says which). ``quant_matmul()`` is None where
+``x [M, K] @ W^T`` with W kept as ggml blocks (Q8_0, Q4_0, Q4_1, Q4_K) and x
+rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
+rounds its activations to int8; these steps are 256 times finer;
+``round_activations`` shows the values). A decode step's few rows multiply
+the weight's integers with x's in registers (AVX2, about half the
+instructions of decoding the weights to float32);
+more rows get a few weight rows at a time decoded to float32 and multiplied
+with the rounded rows, so the weight's bytes are read once per call and
+their decoding is shared by all rows (prefill, batches). Both compute the
+same product up to the order of float32 sums, so a request's tokens do not
+depend on its batch. Built with AVX2 FMA where the build's ``-march`` has
+them, as plain C otherwise (``isa`` says which). ``quant_matmul()`` is None where
 the library cannot be built; callers then dequantize in PyTorch.
 
 Types are passed as ggml's numeric ids (``GGMLQuantizationType`` values),
@@ -27,6 +33,8 @@ _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
     # type, weight, n, k, x, m, x_stride, out, out_stride
     "quant_matmul": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    # x, m, k, out
+    "quant_round_activations": [_PTR, _I64, _I64, _PTR],
     # type, weight, k, ids, count, out
     "quant_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _PTR],
 }
@@ -62,6 +70,17 @@ class QuantMatmul:
         status = self._matmul(type_id, blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], k, out.data_ptr(), n)
         if status:
             _check_status(status)
+        return out
+
+    def round_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 as the products see it: each group of 32 values rounded to
+        int16 steps of max|x| / 32767 (``quantized.round_activations`` in PyTorch
+        computes the same)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32:
+            raise ValueError(f"quant_round_activations: x must be float32 [M, 32n], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _check_status(self._functions["quant_round_activations"](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()))
         return out
 
     def dequantize_rows(self, blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tensor) -> torch.Tensor:

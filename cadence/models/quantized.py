@@ -6,13 +6,20 @@ matrix per row of bytes) for every matmul weight of a type in
 ``KERNEL_TYPES``; ``Linear`` and ``Embedding`` keep it instead of a float
 copy, so a Q4 model takes about its file size in memory. The products:
 
-    C kernel   ``cadence.kernels.quant_matmul``: blocks decoded in registers
-               (few rows) or per tile (many rows), AVX2 FMA or portable C
+    C kernel   ``cadence.kernels.quant_matmul``: a decode step's few rows of x
+               multiply the blocks' integers in registers (AVX2); more rows
+               get blocks decoded per tile; or portable C
     PyTorch    the matrix dequantized for each call (``dequantize``), then
                ``F.linear``: slow, for machines without a C compiler
 
-Both compute in float32 (x cast up, the result cast back to x's dtype); they
-equal dequantize-at-load up to the order of the float32 sums.
+Every path first rounds x per group of 32 values to int16 steps of
+max|x| / 32767 (``round_activations``; llama.cpp rounds to int8, 256 times
+coarser), so all of them compute one product, up to the order of float32
+sums, whatever the batch; against dequantize-at-load (``quantization none``,
+the exact float32 model) that rounding is the difference, ~2e-5 of a
+product: tests/engine/test_quantized_default_model.py checks perplexity
+and greedy tokens. Products run in float32 (x cast up, the result cast back
+to x's dtype).
 
 A fused projection (q|k|v, gate|up) whose shards differ in type (Q4_K_M
 files store v_proj in another type than q_proj) keeps one part per run of
@@ -141,12 +148,22 @@ def matmul(x: torch.Tensor, weight: Part, kernel: "QuantMatmul | None") -> torch
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight)
     if kernel is None:
-        return F.linear(x, weight.dequantize().to(x.dtype))
+        return F.linear(round_activations(x.float()).to(x.dtype), weight.dequantize().to(x.dtype))
     if x.dim() == 2 and x.dtype == torch.float32:  # the model's case: no reshaping, no casts
         return kernel.matmul_checked_blocks(x, weight.blocks, weight.ggml_type.value, weight.cols)
     rows = x.reshape(-1, weight.cols).float()
     y = kernel.matmul_checked_blocks(rows, weight.blocks, weight.ggml_type.value, weight.cols)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x [..., K]`` with each group of 32 values rounded to int16 steps of
+    d = max|x| / 32767 (to the nearest integer, ties to even): the values every
+    product on quantized weights multiplies, as the C kernel rounds them."""
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    d = groups.abs().amax(dim=-1, keepdim=True) / 32767.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(groups * inverse) * d).reshape(x.shape)
 
 
 def embedding(ids: torch.Tensor, weight: QuantizedTensor, kernel: "QuantMatmul | None",

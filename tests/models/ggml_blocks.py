@@ -119,3 +119,21 @@ def _q6_k(block: np.ndarray) -> np.ndarray:
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
 # Byte offsets of the fp16 scale fields in each block.
 _FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def round_activations(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] rounded as quantized products see it: each group of 32
+    values to int16 steps, the way ggml's AVX2 quantize_row_q8_0 rounds to int8
+    but with 32767 for 127 (d = amax / 32767, id = 1 / d or 0, q = x * id
+    rounded to nearest, ties to even), returned as q * d, every step in float32."""
+    out = np.empty_like(x, dtype=np.float32)
+    for r in range(x.shape[0]):
+        for g in range(0, x.shape[1], QK):
+            group = x[r, g:g + QK].astype(np.float32)
+            amax = max(abs(float(v)) for v in group)
+            d = np.float32(amax) / np.float32(32767)
+            inverse = np.float32(1) / d if d != 0 else np.float32(0)
+            q = np.rint(group * inverse)
+            assert np.all(np.abs(q) <= 32767)
+            out[r, g:g + QK] = q.astype(np.float32) * d
+    return out

@@ -1,4 +1,5 @@
-"""Weights kept in GGUF blocks: the C kernel and the PyTorch fallback against dequantize-then-matmul.
+"""Weights kept in GGUF blocks: the C kernel and the PyTorch fallback against dequantize-then-matmul
+of the activations rounded per group of 32 to int16 steps (``ggml_blocks.round_activations``).
 
 Each product path runs wherever the suite runs: the kernel as this CPU builds
 it (AVX2 FMA on an AVX2 machine), built with AVX2 hidden (portable C), and
@@ -46,6 +47,24 @@ def random_matrix(kind, rows, cols, seed=0):
     return weight, torch.from_numpy(ggml_blocks.dequantize(kind, raw, (rows, cols)))
 
 
+def rounded(x):
+    """x as every quantized product multiplies it, by the independent reference."""
+    return torch.from_numpy(ggml_blocks.round_activations(x.numpy()))
+
+
+def activations_with_ties():
+    """Random rows, plus groups that hit the rounding's edge cases: exact halves
+    (ties go to even), an all-zero group, one value that sets max|x| alone."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7))
+    x[1, :32] = torch.arange(32) - 15.5  # a ramp: max|x| at both ends
+    x[1, 32:64] = 0.0
+    halves = torch.tensor([32767.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)
+    x[2, :32] = halves  # d = 1: x * 1 are exact halves
+    x[2, 32:64] = 1e-30
+    x[2, 64] = 1e4
+    return x
+
+
 def test_each_path_is_the_one_named():
     assert kernel_for("portable-c").isa == "portable C"
     if cpu_features.detect().has("avx2", "fma"):
@@ -59,11 +78,41 @@ def test_product_equals_dequantize_then_matmul(kind, path):
     weight, reference = random_matrix(kind, rows=37, cols=512)  # 37: a ragged last tile
     for num_rows in (1, 3, 4, 9, 70):  # decode in registers (<= 4 rows) and per tile
         x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
-        expected = x.double() @ reference.double().T
+        expected = rounded(x).double() @ reference.double().T
         got = quantized.matmul(x, weight, kernel)
         assert got.shape == (num_rows, 37) and got.dtype == torch.float32
         scale = expected.abs().max().item()
         torch.testing.assert_close(got.double(), expected, atol=2e-6 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["as-built", "portable-c"])
+def test_activations_round_as_ggml_rounds_them(path):
+    x = activations_with_ties()
+    expected = rounded(x)
+    assert torch.equal(kernel_for(path).round_activations(x), expected)
+    assert torch.equal(quantized.round_activations(x), expected)  # the PyTorch path's own rounding
+    assert torch.equal(expected[2, :8], torch.tensor([32767.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 4.0]))
+    assert not expected[1, 32:64].any()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_products_of_edge_case_activations(kind, path):
+    weight, reference = random_matrix(kind, rows=9, cols=256, seed=5)
+    x = activations_with_ties()[:, :128].repeat(1, 2)
+    for rows in (x[:1], x, x.repeat(3, 1)):  # integer products (<= 4 rows) and tiles
+        expected = rounded(rows).double() @ reference.double().T
+        got = quantized.matmul(rows, weight, kernel_for(path))
+        torch.testing.assert_close(got.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
+
+
+def test_one_rows_product_does_not_depend_on_its_batch():
+    kernel = kernel_for("as-built")
+    weight, _ = random_matrix("Q4_1", rows=64, cols=512, seed=4)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(9)])
+    together = quantized.matmul(x, weight, kernel)  # the tile path
+    torch.testing.assert_close(together, alone, atol=2e-6 * alone.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -80,7 +129,7 @@ def test_bfloat16_activations_come_back_in_their_dtype():
     x = torch.randn(2, 64).to(torch.bfloat16)
     got = quantized.matmul(x, weight, kernel_for("as-built"))
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), x.float() @ reference.T, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got.float(), rounded(x.float()) @ reference.T, atol=0.05, rtol=0.02)
 
 
 def test_kernel_refuses_rows_of_the_wrong_width():
@@ -96,7 +145,8 @@ def test_parts_of_different_types_concatenate():
     parts = quantized.merge_parts([first, third, second, torch.ones(1, 256)])
     assert [p.shape[0] for p in parts] == [8, 3, 1]  # the two Q4_0 shards stacked
     x = torch.randn(2, 256)
-    expected = x @ torch.cat([first_ref, third_ref, second_ref, torch.ones(1, 256)]).T
+    quantized_rows = rounded(x) @ torch.cat([first_ref, third_ref, second_ref]).T
+    expected = torch.cat([quantized_rows, x @ torch.ones(1, 256).T], dim=1)  # a float part takes x as it is
     torch.testing.assert_close(quantized.linear(x, parts, None, None), expected, atol=1e-4, rtol=1e-5)
 
 
@@ -118,8 +168,19 @@ def mixed_gguf(tmp_path_factory):
     return str(path), direct_model(CONFIG, decoded)
 
 
+@pytest.fixture(scope="module")
+def pytorch_logits(mixed_gguf):
+    """The kept model's logits through the PyTorch path (blocks dequantized per call)."""
+    model, _ = load_gguf_model(*read_gguf(mixed_gguf[0]), quantization="auto")
+    model.use_quant_kernel(None)
+    return logits(model, IDS)
+
+
+IDS = list(range(3, 40))
+
+
 @pytest.mark.parametrize("path", PATHS)
-def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, path):
+def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_logits, path):
     file, reference = mixed_gguf
     model, _ = load_gguf_model(*read_gguf(file), quantization="auto")
     model.use_quant_kernel(kernel_for(path))
@@ -127,9 +188,16 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, path):
     assert [p.ggml_type for p in qkv] == [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K]
     assert model.model.embed_tokens.quantized.ggml_type == GGMLType.Q8_0
     assert model.model.layers[0].mlp.down_proj.quantized is None  # Q6_K: no kernel, dequantized
-    ids = list(range(3, 40))
-    expected = logits(reference, ids)  # up to ~700: float32 sums in another order differ by ~1e-6 of that
-    torch.testing.assert_close(logits(model, ids), expected, atol=4e-6 * expected.abs().max().item(), rtol=0)
+    got = logits(model, IDS)
+    # Every path rounds the activations alike, but a float32 sum taken in another
+    # order can move a value across a rounding boundary: a step of 1/32767 of its
+    # group's largest value, which this random model (logits up to ~700) carries
+    # to ~2e-5 of the logits' scale (measured 1.7e-5) ...
+    scale = pytorch_logits.abs().max().item()
+    torch.testing.assert_close(got, pytorch_logits, atol=1e-4 * scale, rtol=0)
+    # ... and the rounding keeps them near the float32 model's (measured 1e-4).
+    expected = logits(reference, IDS)
+    assert (got - expected).abs().max().item() < 5e-4 * scale
 
 
 def test_gguf_mode_refuses_the_file_naming_the_tensor(mixed_gguf):

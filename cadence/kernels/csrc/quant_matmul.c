@@ -1,14 +1,16 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K super-block). Two paths,
+ * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K super-block). x is first
+ * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
- *     M <= 4 (decode, AVX2)   each group of a weight row decoded into four
- *                             registers and used at once by the M rows of x
+ *     M <= 4 (decode, AVX2)   each group of a weight row widened to 16-bit
+ *                             integers in registers and multiplied with the
+ *                             M rows' integers (madd), scaled once per group
  *     more rows               a thread decodes a tile of up to 32 weight rows
  *                             to float32 (<= 96 KiB, in L2) and multiplies it
- *                             with every row of x: decoded once per call
+ *                             with every rounded row of x: decoded once per call
  *
  *     weight rows  ──tile of TN rows──▶ decode (float32) ──▶ register tiles
  *     n0 .. n0+TN                                            (rows of x by rows of the tile)
@@ -18,12 +20,13 @@
  * horizontal sums); elsewhere plain C dot products over row-major tiles.
  * ``quant_matmul_isa`` names the one built. Values decode as ggml's
  * dequantize_row_* (and the gguf package) compute them, so results match
- * dequantize-then-matmul up to the order of the float32 sums.
+ * dequantize-then-matmul of the rounded x up to the order of the float32 sums.
  *
  * Threads: OpenMP over weight rows or tiles. Loaded after torch, the library
  * shares torch's libgomp and its thread count.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +34,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
+/* Rows of x up to which products stay in integers (see "activations"). */
+#define DIRECT_MAX_ROWS 4
+#else
+#define DIRECT_MAX_ROWS 0
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
@@ -361,49 +368,177 @@ static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *ti
 }
 #endif
 
-#ifdef QUANT_AVX2
-/* Few rows of x (decode): each group of a weight row is decoded in registers and
- * used at once by the R rows; A accumulators per row hide the FMA latency. */
-#define DEFINE_DIRECT(R, A)                                                                       \
-    static void direct_##R(int type, const uint8_t *row, int64_t k, const float *x, int64_t xs,   \
-                           float *out, int64_t os) {                                              \
-        __m256 acc[R][A];                                                                         \
-        for (int r = 0; r < R; ++r)                                                               \
-            for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();                          \
-        for (int64_t g = 0; g < k / GROUP; ++g) {                                                 \
-            __m256 v[4];                                                                          \
-            decode_group_avx2(type, row, g, v);                                                   \
-            for (int r = 0; r < R; ++r)                                                           \
-                for (int j = 0; j < 4; ++j)                                                       \
-                    acc[r][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * xs + g * GROUP + 8 * j), \
-                                                    v[j], acc[r][j % A]);                         \
-        }                                                                                         \
-        for (int r = 0; r < R; ++r) {                                                             \
-            __m256 sum = acc[r][0];                                                               \
-            for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][a]);                      \
-            out[r * os] = hsum(sum);                                                              \
-        }                                                                                         \
-    }
-DEFINE_DIRECT(1, 4)
-DEFINE_DIRECT(2, 2)
-DEFINE_DIRECT(4, 2)
+/* ---------------------------------------------------------------- activations
+ * x enters every product rounded, per group of 32 values, to int16 steps of
+ * d = max|x| / 32767: q = x / d to the nearest integer, ties to even (as
+ * llama.cpp rounds its activations to int8, but 256 times finer: a value
+ * moves by at most 1/65534 of its group's largest). The decode path
+ * multiplies these integers with the weight's own; the tile path the rounded
+ * values q * d as float32. Both compute one product, up to the order of
+ * float32 sums, whatever the number of rows. */
 
-/* out[0:m, n] for one weight row, m <= 4. */
-static void direct_row(int type, const uint8_t *row, int64_t k, const float *x, int64_t m, int64_t xs,
-                       float *out, int64_t os) {
-    switch (m) {
-    case 1: direct_1(type, row, k, x, xs, out, os); break;
-    case 2: direct_2(type, row, k, x, xs, out, os); break;
-    case 3: direct_2(type, row, k, x, xs, out, os); direct_1(type, row, k, x + 2 * xs, xs, out + 2 * os, os); break;
-    case 4: direct_4(type, row, k, x, xs, out, os); break;
+/* One group of x: its 32 integers q, its step d (returned) and d * sum(q). */
+static float round_group(const float *x, int16_t *q, float *scaled_sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; ++i) {
+        const float v = fabsf(x[i]);
+        amax = v > amax ? v : amax;
+    }
+    const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < GROUP; ++i) {
+        const int value = (int)rintf(x[i] * id);
+        q[i] = (int16_t)value;
+        sum += value;
+    }
+    *scaled_sum = d * (float)sum;
+    return d;
+}
+
+/* The rounded values q * d of x [m, k] (row stride xs) into out [m, k]. */
+static void rounded_rows(const float *x, int64_t m, int64_t xs, int64_t k, float *out) {
+    #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < k / GROUP; ++g) {
+            int16_t q[GROUP];
+            float scaled_sum;
+            const float d = round_group(x + r * xs + g * GROUP, q, &scaled_sum);
+            for (int i = 0; i < GROUP; ++i) out[r * k + g * GROUP + i] = (float)q[i] * d;
+        }
+}
+
+/* Exported for the tests: rounded_rows of x [m, k] (contiguous). */
+int quant_round_activations(const float *x, int64_t m, int64_t k, float *out) {
+    if (k % GROUP) return -1;
+    rounded_rows(x, m, k, k, out);
+    return 0;
+}
+
+#ifdef QUANT_AVX2
+/* Few rows of x (decode): each group of a weight row stays in integers,
+ * widened to 16 bits, and is multiplied with the rows' int16 groups (madd:
+ * 8 x 32-bit partial sums, exact) and scaled once: w = a * u + b per value u
+ * of the group, so the group adds a * d * sum(u q) + b * d * sum(q). About
+ * half the instructions of decoding the group to float32. */
+
+/* Group g of a weight row as 16-bit integers (values 0..15 in lo, 16..31 in hi), a and b. */
+static inline void weight_group(int type, const uint8_t *row, int64_t g, __m256i *lo, __m256i *hi,
+                                float *a, float *b) {
+    const __m256i low_nibble = _mm256_set1_epi16(15);
+    switch (type) {
+    case TYPE_Q8_0: {
+        const uint8_t *block = row + g * 34;
+        *a = f16_at(block), *b = 0.0f;
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
+        return;
+    }
+    case TYPE_Q4_0:
+    case TYPE_Q4_1: { /* byte i holds values i (low nibble) and i + 16 (high) */
+        const uint8_t *block = row + g * (type == TYPE_Q4_0 ? 18 : 20);
+        *a = f16_at(block);
+        *b = type == TYPE_Q4_0 ? -8.0f * *a : f16_at(block + 2);
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + (type == TYPE_Q4_0 ? 2 : 4))));
+        *lo = _mm256_and_si256(bytes, low_nibble);
+        *hi = _mm256_srli_epi16(bytes, 4);
+        return;
+    }
+    default: { /* TYPE_Q4_K: sub-block j's nibbles are the low or high halves of 32 bytes */
+        const uint8_t *block = row + (g / 8) * 144;
+        const int j = (int)(g % 8), shift = (j & 1) * 4;
+        int scale, min;
+        q4_k_scale_min(block + 4, j, &scale, &min);
+        *a = f16_at(block) * (float)scale, *b = -f16_at(block + 2) * (float)min;
+        const uint8_t *q = block + 16 + 32 * (j / 2);
+        *lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q)), shift), low_nibble);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16))), shift),
+                               low_nibble);
+        return;
+    }
     }
 }
-#define DIRECT_MAX_ROWS 4
-#else
-#define DIRECT_MAX_ROWS 0
-static void direct_row(int type, const uint8_t *row, int64_t k, const float *x, int64_t m, int64_t xs,
+
+/* Rows of x rounded for the integer products: group i (row-major over rows) is
+ * q[32 i .. 32 i + 31] (32-byte aligned), step d[i], scaled_sum[i] = d * sum(q). */
+typedef struct {
+    int16_t *q;
+    float *d, *scaled_sum;
+} RoundedGroups;
+
+/* x [m, k] (row stride xs) rounded into one allocation (free ``q``), or q NULL. */
+static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k) {
+    const int64_t groups = k / GROUP, count = m * groups;
+    RoundedGroups rounded = {NULL, NULL, NULL};
+    if (posix_memalign((void **)&rounded.q, 32, (size_t)count * (GROUP * sizeof(int16_t) + 2 * sizeof(float)))) {
+        rounded.q = NULL;
+        return rounded;
+    }
+    rounded.d = (float *)(rounded.q + count * GROUP);
+    rounded.scaled_sum = rounded.d + count;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t i = r * groups + g;
+            rounded.d[i] = round_group(x + r * xs + g * GROUP, rounded.q + i * GROUP, rounded.scaled_sum + i);
+        }
+    return rounded;
+}
+
+/* Group g's share for R rows: acc[r] += a * d * sums, offset[r] += b * d * sum(q). */
+static inline __attribute__((always_inline)) void direct_group(int type, int R, const uint8_t *row, int64_t g,
+                                                              int64_t groups, const RoundedGroups *x,
+                                                              __m256 *acc, __m256 *offset) {
+    float a, b;
+    __m256i lo, hi;
+    weight_group(type, row, g, &lo, &hi, &a, &b);
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+    for (int r = 0; r < R; ++r) {
+        const int64_t i = r * groups + g;
+        const __m256i *q = (const __m256i *)(x->q + i * GROUP);
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
+                                              _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(av, _mm256_set1_ps(x->d[i])), acc[r]);
+        if (type != TYPE_Q8_0) offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
+    }
+}
+
+/* out[r * os] for one weight row and R rows of x (``groups`` groups each): even
+ * and odd groups in separate accumulators, to hide the FMA latency. Inlined into
+ * direct_row with constant type and R. */
+static inline __attribute__((always_inline)) void direct_rows(int type, int R, const uint8_t *row, int64_t groups,
+                                                             const RoundedGroups *x, float *out, int64_t os) {
+    __m256 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS], even_offset[DIRECT_MAX_ROWS], odd_offset[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r)
+        even[r] = odd[r] = even_offset[r] = odd_offset[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        direct_group(type, R, row, g, groups, x, even, even_offset);
+        direct_group(type, R, row, g + 1, groups, x, odd, odd_offset);
+    }
+    if (g < groups) direct_group(type, R, row, g, groups, x, even, even_offset);
+    for (int r = 0; r < R; ++r) {
+        /* every lane of an offset holds the same sum: one lane of it */
+        const float offset = _mm256_cvtss_f32(_mm256_add_ps(even_offset[r], odd_offset[r]));
+        out[r * os] = hsum(_mm256_add_ps(even[r], odd[r])) + offset;
+    }
+}
+
+#define DIRECT_BY_ROWS(TYPE)                                                                      \
+    switch (m) {                                                                                  \
+    case 1: direct_rows(TYPE, 1, row, groups, x, out, os); break;                                 \
+    case 2: direct_rows(TYPE, 2, row, groups, x, out, os); break;                                 \
+    case 3: direct_rows(TYPE, 3, row, groups, x, out, os); break;                                 \
+    default: direct_rows(TYPE, 4, row, groups, x, out, os); break;                                \
+    }
+
+/* out[0:m, n] for one weight row, m <= DIRECT_MAX_ROWS. */
+static void direct_row(int type, const uint8_t *row, int64_t groups, const RoundedGroups *x, int64_t m,
                        float *out, int64_t os) {
-    (void)type, (void)row, (void)k, (void)x, (void)m, (void)xs, (void)out, (void)os;
+    switch (type) {
+    case TYPE_Q8_0: DIRECT_BY_ROWS(TYPE_Q8_0); break;
+    case TYPE_Q4_0: DIRECT_BY_ROWS(TYPE_Q4_0); break;
+    case TYPE_Q4_1: DIRECT_BY_ROWS(TYPE_Q4_1); break;
+    default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
+    }
 }
 #endif
 
@@ -432,18 +567,29 @@ static int64_t tile_rows(int64_t k) {
     return rows < TILE_MULTIPLE ? TILE_MULTIPLE : rows;
 }
 
-/* out [m, n] (row stride out_stride) = x [m, k] (row stride x_stride) @ W^T, W being
- * n rows of k values in ``type`` blocks at ``weight``. Returns 0, -1 for a type or
- * k it cannot take, -2 when a tile buffer cannot be allocated. */
-int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t m,
-                 int64_t x_stride, float *out, int64_t out_stride) {
-    const int64_t stride = row_bytes(type, k);
-    if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
-    if (m <= DIRECT_MAX_ROWS) {
-        #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
-        for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, k, x, m, x_stride, out + c, out_stride);
-        return 0;
-    }
+/* x's rows rounded as round_group says, then multiplied: integers for few rows,
+ * float32 tiles for more (see "activations"). */
+static int products_of_groups(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
+                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+#if DIRECT_MAX_ROWS
+    const RoundedGroups rounded = round_rows(x, m, x_stride, k);
+    if (rounded.q == NULL) return -2;
+    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, k / GROUP, &rounded, m, out + c, out_stride);
+    free(rounded.q);
+    return 0;
+#else
+    (void)type, (void)weight, (void)stride, (void)n, (void)k, (void)x, (void)m, (void)x_stride, (void)out,
+        (void)out_stride;
+    return -1;
+#endif
+}
+
+static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
+                             const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+    float *rounded = malloc((size_t)(m * k) * sizeof(float));
+    if (rounded == NULL) return -2;
+    rounded_rows(x, m, x_stride, k, rounded);
     const int64_t tn = tile_rows(k), num_tiles = (n + tn - 1) / tn;
     int failed = 0;
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
@@ -455,9 +601,22 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
         }
         const int64_t first = t * tn, rows = n - first < tn ? n - first : tn;
         decode_tile(type, weight + first * stride, stride, rows, k, tile);
-        multiply_tile(x, m, x_stride, tile, rows, k, out + first, out_stride);
+        multiply_tile(rounded, m, k, tile, rows, k, out + first, out_stride);
     }
+    free(rounded);
     return failed ? -2 : 0;
+}
+
+/* out [m, n] (row stride out_stride) = x [m, k] (row stride x_stride) @ W^T, W being
+ * n rows of k values in ``type`` blocks at ``weight``, x rounded per group of 32
+ * (see "activations"). Returns 0, -1 for a type or k it cannot take, -2 when a
+ * buffer cannot be allocated. */
+int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t m,
+                 int64_t x_stride, float *out, int64_t out_stride) {
+    const int64_t stride = row_bytes(type, k);
+    if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
+    if (m <= DIRECT_MAX_ROWS) return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
+    return products_of_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
 }
 
 /* Rows ids[0..count) of W decoded to out [count, k] (an embedding lookup). */
