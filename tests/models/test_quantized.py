@@ -106,6 +106,13 @@ def test_products_of_edge_case_activations(kind, path):
         torch.testing.assert_close(got.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_no_rows_give_an_empty_product(path):
+    weight, _ = random_matrix("Q4_1", rows=8, cols=64)
+    got = quantized.matmul(torch.empty(0, 64), weight, kernel_for(path))
+    assert got.shape == (0, 8)
+
+
 def test_one_rows_product_does_not_depend_on_its_batch():
     kernel = kernel_for("as-built")
     weight, _ = random_matrix("Q4_1", rows=64, cols=512, seed=4)

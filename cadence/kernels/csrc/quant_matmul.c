@@ -615,6 +615,7 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
                  int64_t x_stride, float *out, int64_t out_stride) {
     const int64_t stride = row_bytes(type, k);
     if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
+    if (m == 0 || n == 0) return 0;
     if (m <= DIRECT_MAX_ROWS) return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
     return products_of_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
 }
