@@ -156,6 +156,8 @@ def assemble_engine(
     if kept:
         reason = runner.cpu_paths.quant_reason if runner.cpu_paths is not None else "PyTorch"
         print(f"cadence: weights kept quantized: {describe_quantized(kept)}; {reason}", file=log)
+        if getattr(runner, "fused_decoder_note", None):
+            print(f"cadence: {runner.fused_decoder_note}", file=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
     engine_config = dataclasses.replace(engine_config, dtype=_dtype_name(dtype))
     options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,

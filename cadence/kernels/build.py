@@ -19,6 +19,7 @@ on torch's threads and honour ``torch.set_num_threads``.
     paged_attention.c   attention of short queries over the paged KV cache
     fused_ops.c         the decoder layer's elementwise steps (RMSNorm, rotary, SiLU-mul)
     quant_matmul.c      products on GGUF's quantized blocks (decoded in registers or per tile)
+    decoder_stack.c     a decode step through every decoder layer (includes the three above)
 """
 
 from __future__ import annotations

@@ -228,10 +228,7 @@ class LlamaModel(torch.nn.Module):
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.embedding_multiplier != 1.0:
-            # In the hidden dtype, as the reference rounds it.
-            hidden = hidden * torch.tensor(self.embedding_multiplier, dtype=hidden.dtype)
+        hidden = self.embed(input_ids)  # [T, hidden]
         # Looked up once, used by every layer.
         rope = self._rope(self.rotary, positions, hidden.dtype)
         sliding_rope = rope if self.sliding_rotary is None else self._rope(self.sliding_rotary, positions, hidden.dtype)
@@ -240,6 +237,14 @@ class LlamaModel(torch.nn.Module):
             layer_rope = sliding_rope if i in self.sliding_rope_layers else rope
             hidden, residual = layer(hidden, residual, layer_rope, attention)
         return self.norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden] (scaled where the model scales them)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            # In the hidden dtype, as the reference rounds it.
+            hidden = hidden * torch.tensor(self.embedding_multiplier, dtype=hidden.dtype)
+        return hidden
 
     def _rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
         if self.fused_ops is not None and self.fused_rotary_fits:

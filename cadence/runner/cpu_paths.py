@@ -13,6 +13,8 @@ the plain PyTorch path is kept otherwise. The choice is logged in one line:
     C kernels            a C compiler builds them (float32 and bfloat16 only)
     quantized matmuls    the C kernel on GGUF blocks builds (AVX2 FMA where -march has
                          them, portable C otherwise); else PyTorch dequantizes per call
+    decoder stack        both of the above: a decode step's layers in one C call
+                         (the runner also checks the model, ``cadence.runner.fused_decoder``)
 
 ``resolve_quantization`` turns the ``quantization`` option into what the
 loader does: ``auto`` keeps GGUF blocks only on a CPU where that kernel builds.
@@ -54,6 +56,9 @@ class CpuPaths:
     reasons: tuple[str, ...] = ()  # one entry per path, for the log line
     quant_matmul: "QuantMatmul | None" = None  # products on quantized weights (None: PyTorch)
     quant_reason: str = "quantized matmuls in PyTorch (dequantized per call)"
+    # -march of the C loop through all decoder layers of a decode step, built when a
+    # model can use it (see cadence.runner.fused_decoder); None: its kernels are unavailable.
+    decoder_stack_arch: str | None = None
 
     @classmethod
     def plain(cls) -> "CpuPaths":
@@ -75,7 +80,8 @@ def choose_cpu_paths(dtype: torch.dtype, features: CpuFeatures | None = None) ->
     march = features.compiler_arch()
     reasons.append(f"C kernels (-march={march})" if why_not is None else f"PyTorch kernels ({why_not})")
     quant, quant_reason = quant_kernel(features)
-    return CpuPaths(pack, fused, attention, tuple(reasons), quant, quant_reason)
+    stack_arch = march if fused is not None and quant is not None else None
+    return CpuPaths(pack, fused, attention, tuple(reasons), quant, quant_reason, stack_arch)
 
 
 def quant_kernel(features: CpuFeatures | None = None) -> tuple["QuantMatmul | None", str]:

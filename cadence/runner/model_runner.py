@@ -29,6 +29,7 @@ import torch
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
+from cadence.runner.fused_decoder import FusedDecoder
 from cadence.kernels.triton_fused_ops import TritonFusedOps
 from cadence.runner.draft_gate import DraftCostModel, DraftGate
 from cadence.runner.gpu_attention import StepStager, TritonPagedAttention
@@ -116,6 +117,8 @@ class ModelRunner:
             self.stager = StepStager(self.device, self.group, model_config.num_key_value_heads,
                                      self.sliding_window)
         self.kv_connector = kv_connector
+        self.fused_decoder: FusedDecoder | None = None  # see _use_cpu_paths
+        self.fused_decoder_note: str | None = None  # for the start-up log
         if self.device.type == "cpu":
             return_freed_memory()  # the load's leftovers, before the cache takes its place
         self.allocate_kv_cache(num_blocks)
@@ -156,6 +159,8 @@ class ModelRunner:
         )
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_cache)
+        if self.fused_decoder is not None:  # it points into the old cache
+            self._build_fused_decoder()
 
     def attach_kv_connector(self, kv_connector: KVConnectorWorker) -> None:
         """Call ``kv_connector`` around every step from now on (between steps only)."""
@@ -231,6 +236,20 @@ class ModelRunner:
         fits = (kernel is not None and kernel.supports(dtype, self.kv_cache_dtype)
                 and self.model_config.attn_logit_softcapping is None)
         self.attention_kernel = kernel if fits else None
+        self._build_fused_decoder()
+
+    def _build_fused_decoder(self) -> None:
+        """The C loop through all layers for decode steps, where the model and paths allow it."""
+        paths = self.cpu_paths
+        if paths is None or self.lora is not None:
+            self.fused_decoder, self.fused_decoder_note = None, None
+            return
+        self.fused_decoder, self.fused_decoder_note = FusedDecoder.build(
+            paths.decoder_stack_arch, self.model, self.model_config, self.kv_cache,
+            uses_fused_ops=paths.fused_ops is not None and paths.fused_ops.supports(self.dtype),
+            uses_attention_kernel=self.attention_kernel is not None,
+            per_layer_windows=bool(self.full_attention_layers),
+        )
 
     # ------------------------------------------------------------ the step
 
@@ -286,6 +305,9 @@ class ModelRunner:
         if self.stager is not None:
             return self._forward_triton(step)
         metadata = self._plan_attention(step, self.sliding_window)
+        device = self.device
+        if self.fused_decoder is not None and self.fused_decoder.covers(metadata):
+            return self.fused_decoder.forward(step.input_ids, step.positions, metadata), step.logits_indices
         layer_metadata = {}
         if self.full_attention_layers:
             layer_metadata = dict.fromkeys(self.full_attention_layers, self._plan_attention(step, None))
@@ -293,7 +315,6 @@ class ModelRunner:
         attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel,
                                    layer_metadata=layer_metadata, scale=config.attention_scale,
                                    softcap=config.attn_logit_softcapping)
-        device = self.device
         hidden = self.model(step.input_ids.to(device), step.positions.to(device), attention)
         return hidden, step.logits_indices.to(device)
 

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from cadence.kernels import build, fused_ops, paged_attention, quant_matmul
+from cadence.kernels import build, decoder_stack, fused_ops, paged_attention, quant_matmul
 
 C_TO_CTYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 ELEMENT_SUFFIXES = ("f32", "bf16")
@@ -67,6 +67,13 @@ def test_paged_attention_binding_matches_its_prototype():
 def test_quant_matmul_bindings_match_their_prototypes():
     prototypes = exported_prototypes("quant_matmul.c")
     assert prototypes == quant_matmul.SIGNATURES
+
+
+def test_decoder_stack_bindings_match_their_prototypes():
+    # The file includes the other kernels' sources: its own functions are the decoder_ ones.
+    prototypes = {name: params for name, params in exported_prototypes("decoder_stack.c").items()
+                  if name.startswith("decoder_")}
+    assert prototypes == decoder_stack.SIGNATURES
 
 
 def test_the_parser_sees_a_wrong_binding():

@@ -31,8 +31,12 @@ static inline void bf16_row_to_float(float *dst, const uint16_t *src, int n) {
     for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
-/* IEEE half to float, exactly (subnormals, infinities and NaN included). */
+/* IEEE half to float, exactly (subnormals, infinities and NaN included): one
+ * instruction where the CPU has F16C. */
 static inline float f16_to_float(uint16_t half) {
+#if defined(__F16C__)
+    return _cvtsh_ss(half);
+#endif
     uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
     uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu, bits;
     if (exponent == 0x1fu) {

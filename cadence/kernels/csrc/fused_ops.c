@@ -43,3 +43,7 @@
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #include "fused_ops_impl.h"
+#undef SUFFIX
+#undef ELEM
+#undef LOAD
+#undef STORE

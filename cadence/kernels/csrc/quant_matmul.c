@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
@@ -47,25 +49,6 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };
 #define PARALLEL_MIN_MACS (1 << 16)
 /* Most float32 bytes one thread's decoded tile may take (it stays in L2). */
 #define TILE_BYTES (96 * 1024)
-
-static inline float f16_to_float(uint16_t half) {
-#if defined(QUANT_AVX2) && defined(__F16C__)
-    return _cvtsh_ss(half);
-#endif
-    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
-    uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu, bits;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else if (exponent) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else {
-        float tiny = (float)mantissa * 5.9604644775390625e-08f; /* subnormal: mantissa * 2^-24 */
-        return sign ? -tiny : tiny;
-    }
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
 
 static inline float f16_at(const uint8_t *bytes) {
     uint16_t half;

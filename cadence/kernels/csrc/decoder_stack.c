@@ -1,0 +1,279 @@
+/* A step of short queries (decodes, speculative verification) through every
+ * decoder layer in one call, for float32 models whose projections are kept
+ * in GGUF blocks.
+ *
+ * At one decode row a layer's kernels take microseconds each; called one by
+ * one from Python (norm, projections, rotary, cache write, attention, SiLU)
+ * the dispatch between them cost as much as the kernels. Here the same
+ * kernels run back to back in C, in the same order and on the same values as
+ * the module path (cadence/models/llama.py with fused ops, quantized
+ * products and the native attention), so the two agree to the bit:
+ *
+ *     for each layer:
+ *         normed = input_norm(delta + residual)      (first layer: norm(hidden))
+ *         qkv = normed @ Wqkv^T (+ bias)             each part into its columns
+ *         rotate q, k in place; write k, v at their slots (cache dtype)
+ *         attn = attention(q over the cache)         the sequences' short queries
+ *         delta = attn @ Wo^T
+ *         normed = post_norm(delta + residual)
+ *         delta = down(silu(gate) * up)
+ *     out = final_norm(delta + residual)
+ *
+ * One translation unit with the kernels (the three sources are included),
+ * so nothing is called through a library boundary. The caller (Python,
+ * cadence/kernels/decoder_stack.py) decides which models and steps qualify.
+ */
+
+#include <stddef.h>
+
+#include "quant_matmul.c"
+#include "fused_ops.c"
+#include "paged_attention.c"
+
+/* A matrix in ggml blocks: ``rows`` rows of the layer's input width. */
+typedef struct {
+    int64_t type; /* ggml type id */
+    const uint8_t *blocks;
+    int64_t rows;
+} BlockMatrix;
+
+#define MAX_PARTS 3
+
+/* One decoder layer's weights and caches. A projection is up to MAX_PARTS
+ * row ranges of its matrix (shards of different ggml types stay apart). */
+typedef struct {
+    const float *input_norm;          /* [H] */
+    const float *post_attention_norm; /* [H] */
+    BlockMatrix qkv[MAX_PARTS];
+    int64_t qkv_parts;
+    const float *qkv_bias; /* [(Hq + 2 Hkv) D], or NULL */
+    BlockMatrix o;
+    BlockMatrix gate_up[MAX_PARTS];
+    int64_t gate_up_parts;
+    BlockMatrix down;
+    void *key_cache;   /* [num_blocks, block_size, Hkv, D] of the cache dtype */
+    void *value_cache;
+    int64_t rotary;    /* 0: this layer skips rotary (SmolLM3's) */
+} DecoderLayer;
+
+/* The model's sizes. */
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t cache_dtype; /* CACHE_F32, CACHE_F16 or CACHE_BF16 */
+    int64_t block_size, num_slots; /* num_slots: blocks x block_size */
+    float eps, scale;
+} DecoderShape;
+
+enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 };
+
+/* The step: T query rows of S sequences, as the attention kernel reads them. */
+typedef struct {
+    int64_t num_tokens;
+    const float *cos, *sin;      /* [T, D] */
+    const int64_t *slot_mapping; /* [T] */
+    const int64_t *query_start, *query_len, *seq_len; /* [S] */
+    const int32_t *block_table;  /* [S, max_blocks] */
+    int64_t num_seqs, max_blocks, sliding_window;
+} DecoderStep;
+
+/* float to IEEE half, rounded to nearest even as PyTorch rounds; overflow
+ * gives infinity, NaN stays NaN. */
+static inline uint16_t float_to_f16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((magnitude >> 13) & 0x1ffu);
+    if (magnitude >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520 rounds up to infinity */
+    if (magnitude >= 0x38800000u) {                       /* a normal half: >= 2^-14 */
+        const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+        return sign | (uint16_t)((rounded - 0x38000000u) >> 13); /* rebias 127 -> 15 */
+    }
+    if (magnitude <= 0x33000000u) return sign; /* <= 2^-25: zero (2^-25 ties to even) */
+    /* A subnormal half: in units of 2^-24, the 24-bit significand shifted right. */
+    const uint32_t exponent = magnitude >> 23, significand = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exponent, halfway = 1u << (shift - 1);
+    uint32_t units = significand >> shift;
+    const uint32_t rest = significand & ((1u << shift) - 1);
+    if (rest > halfway || (rest == halfway && (units & 1u))) ++units;
+    return sign | (uint16_t)units;
+}
+
+/* n floats stored as the cache's element type. */
+static void store_row(void *dst, const float *src, int64_t n, int64_t cache_dtype) {
+    if (cache_dtype == CACHE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (cache_dtype == CACHE_BF16) {
+        uint16_t *out = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(src[i]);
+    } else {
+        uint16_t *out = (uint16_t *)dst;
+        int64_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(out + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; ++i) out[i] = float_to_f16(src[i]);
+    }
+}
+
+/* n floats as the cache stores them (for the tests of the rounding). */
+int decoder_store_row(const float *src, int64_t n, int64_t cache_dtype, void *dst) {
+    if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_BF16) return -1;
+    store_row(dst, src, n, cache_dtype);
+    return 0;
+}
+
+/* out [T, sum of rows] = x [T, k] @ W^T, part by part into its columns. */
+static int project(const BlockMatrix *parts, int64_t num_parts, int64_t k, const float *x, int64_t T,
+                   float *out, int64_t out_width) {
+    int64_t column = 0;
+    for (int64_t p = 0; p < num_parts; ++p) {
+        int status = quant_matmul((int)parts[p].type, parts[p].blocks, parts[p].rows, k, x, T, k,
+                                  out + column, out_width);
+        if (status) return status;
+        column += parts[p].rows;
+    }
+    return column == out_width ? 0 : -1;
+}
+
+/* Each new token's keys and values (columns [q_size, q_size + 2 kv_size) of
+ * its qkv row) written at its slot. */
+static int write_cache(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
+                        const float *qkv, int64_t qkv_width) {
+    const int64_t q_size = shape->num_heads * shape->head_dim, kv_size = shape->num_kv_heads * shape->head_dim;
+    const size_t element = shape->cache_dtype == CACHE_F32 ? sizeof(float) : sizeof(uint16_t);
+    for (int64_t t = 0; t < step->num_tokens; ++t)
+        if (step->slot_mapping[t] < 0 || step->slot_mapping[t] >= shape->num_slots) return -1;
+    for (int64_t t = 0; t < step->num_tokens; ++t) {
+        const float *row = qkv + t * qkv_width + q_size;
+        const size_t offset = (size_t)step->slot_mapping[t] * (size_t)kv_size * element;
+        store_row((char *)layer->key_cache + offset, row, kv_size, shape->cache_dtype);
+        store_row((char *)layer->value_cache + offset, row + kv_size, kv_size, shape->cache_dtype);
+    }
+    return 0;
+}
+
+static void attend(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
+                   const float *q, float *out) {
+    const int Hq = (int)shape->num_heads, Hkv = (int)shape->num_kv_heads, D = (int)shape->head_dim;
+    const int bs = (int)shape->block_size, max_blocks = (int)step->max_blocks, window = (int)step->sliding_window;
+    switch (shape->cache_dtype) {
+    case CACHE_F32:
+        paged_attention_f32(q, layer->key_cache, layer->value_cache, out, step->query_start, step->query_len,
+                            step->seq_len, step->block_table, step->num_seqs, Hq, Hkv, D, bs, max_blocks,
+                            window, shape->scale);
+        break;
+    case CACHE_F16:
+        paged_attention_f32_kvf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
+                                  step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
+                                  D, bs, max_blocks, window, shape->scale);
+        break;
+    default:
+        paged_attention_f32_kvbf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
+                                   step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
+                                   D, bs, max_blocks, window, shape->scale);
+    }
+}
+
+/* The step's buffers, one allocation. */
+typedef struct {
+    float *normed, *delta, *qkv, *q, *attn, *gate_up, *act;
+} Scratch;
+
+static float *scratch_alloc(const DecoderShape *shape, int64_t T, int64_t qkv_width, Scratch *s) {
+    const int64_t H = shape->hidden, q_size = shape->num_heads * shape->head_dim, I = shape->intermediate;
+    const int64_t floats = T * (2 * H + qkv_width + 2 * q_size + 3 * I);
+    float *all = malloc((size_t)floats * sizeof(float));
+    if (all == NULL) return NULL;
+    s->normed = all;
+    s->delta = s->normed + T * H;
+    s->qkv = s->delta + T * H;
+    s->q = s->qkv + T * qkv_width;
+    s->attn = s->q + T * q_size;
+    s->gate_up = s->attn + T * q_size;
+    s->act = s->gate_up + T * 2 * I;
+    return all;
+}
+
+/* One layer: residual (the stream, updated in place) and delta (the last
+ * block's output, which this layer adds in first; NULL for the first layer,
+ * whose residual is its input). Leaves this layer's MLP output in delta. */
+static int run_layer(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
+                     float *residual, int first, Scratch *s) {
+    const int64_t T = step->num_tokens, H = shape->hidden, D = shape->head_dim, I = shape->intermediate;
+    const int64_t q_size = shape->num_heads * D, qkv_width = q_size + 2 * shape->num_kv_heads * D;
+    int status;
+    add_rms_norm_f32(first ? residual : s->delta, H, first ? NULL : residual, H, layer->input_norm, s->normed,
+                     H, T, H, shape->eps);
+    if ((status = project(layer->qkv, layer->qkv_parts, H, s->normed, T, s->qkv, qkv_width))) return status;
+    if (layer->qkv_bias)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t i = 0; i < qkv_width; ++i) s->qkv[t * qkv_width + i] += layer->qkv_bias[i];
+    if (layer->rotary)
+        rotary_f32(s->qkv, qkv_width, (int)shape->num_heads, s->qkv + q_size, qkv_width, (int)shape->num_kv_heads,
+                   step->cos, step->sin, T, (int)D);
+    if ((status = write_cache(shape, layer, step, s->qkv, qkv_width))) return status;
+    for (int64_t t = 0; t < T; ++t) memcpy(s->q + t * q_size, s->qkv + t * qkv_width, (size_t)q_size * sizeof(float));
+    attend(shape, layer, step, s->q, s->attn);
+    if ((status = project(&layer->o, 1, q_size, s->attn, T, s->delta, H))) return status;
+    add_rms_norm_f32(s->delta, H, residual, H, layer->post_attention_norm, s->normed, H, T, H, shape->eps);
+    if ((status = project(layer->gate_up, layer->gate_up_parts, H, s->normed, T, s->gate_up, 2 * I))) return status;
+    silu_mul_f32(s->gate_up, s->act, T, I);
+    return project(&layer->down, 1, I, s->act, T, s->delta, H);
+}
+
+/* out [T, H] = the final norm of the stack's output for the step's embedded
+ * tokens ``hidden`` [T, H] (used as the residual stream: overwritten).
+ * Returns 0, -1 for arguments the kernels refuse, -2 when out of memory. */
+int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const float *final_norm,
+                  const DecoderStep *step, float *hidden, float *out) {
+    const int64_t T = step->num_tokens, H = shape->hidden;
+    if (T == 0) return 0;
+    for (int64_t l = 0; l < shape->num_layers; ++l)
+        if (layers[l].qkv_parts < 1 || layers[l].qkv_parts > MAX_PARTS || layers[l].gate_up_parts < 1
+            || layers[l].gate_up_parts > MAX_PARTS)
+            return -1;
+    const int64_t qkv_width = (shape->num_heads + 2 * shape->num_kv_heads) * shape->head_dim;
+    Scratch s;
+    float *all = scratch_alloc(shape, T, qkv_width, &s);
+    if (all == NULL) return -2;
+    int status = 0;
+    for (int64_t l = 0; l < shape->num_layers && status == 0; ++l)
+        status = run_layer(shape, &layers[l], step, hidden, l == 0, &s);
+    if (status == 0) add_rms_norm_f32(s.delta, H, hidden, H, final_norm, out, H, T, H, shape->eps);
+    free(all);
+    return status;
+}
+
+/* sizeof and field offsets of the structures, for the binding's test:
+ * DecoderLayer (size, then 12 offsets), DecoderShape (size, 11), DecoderStep
+ * (size, 11), BlockMatrix (size, 3): 41 values. */
+int decoder_struct_layout(int64_t *out) {
+#define PUT(value) (*out++ = (int64_t)(value))
+    PUT(sizeof(DecoderLayer));
+    PUT(offsetof(DecoderLayer, input_norm)); PUT(offsetof(DecoderLayer, post_attention_norm));
+    PUT(offsetof(DecoderLayer, qkv)); PUT(offsetof(DecoderLayer, qkv_parts));
+    PUT(offsetof(DecoderLayer, qkv_bias)); PUT(offsetof(DecoderLayer, o));
+    PUT(offsetof(DecoderLayer, gate_up)); PUT(offsetof(DecoderLayer, gate_up_parts));
+    PUT(offsetof(DecoderLayer, down)); PUT(offsetof(DecoderLayer, key_cache));
+    PUT(offsetof(DecoderLayer, value_cache)); PUT(offsetof(DecoderLayer, rotary));
+    PUT(sizeof(DecoderShape));
+    PUT(offsetof(DecoderShape, num_layers)); PUT(offsetof(DecoderShape, hidden));
+    PUT(offsetof(DecoderShape, num_heads)); PUT(offsetof(DecoderShape, num_kv_heads));
+    PUT(offsetof(DecoderShape, head_dim)); PUT(offsetof(DecoderShape, intermediate));
+    PUT(offsetof(DecoderShape, cache_dtype)); PUT(offsetof(DecoderShape, block_size));
+    PUT(offsetof(DecoderShape, num_slots));
+    PUT(offsetof(DecoderShape, eps)); PUT(offsetof(DecoderShape, scale));
+    PUT(sizeof(DecoderStep));
+    PUT(offsetof(DecoderStep, num_tokens)); PUT(offsetof(DecoderStep, cos)); PUT(offsetof(DecoderStep, sin));
+    PUT(offsetof(DecoderStep, slot_mapping)); PUT(offsetof(DecoderStep, query_start));
+    PUT(offsetof(DecoderStep, query_len)); PUT(offsetof(DecoderStep, seq_len));
+    PUT(offsetof(DecoderStep, block_table)); PUT(offsetof(DecoderStep, num_seqs));
+    PUT(offsetof(DecoderStep, max_blocks)); PUT(offsetof(DecoderStep, sliding_window));
+    PUT(sizeof(BlockMatrix));
+    PUT(offsetof(BlockMatrix, type)); PUT(offsetof(BlockMatrix, blocks)); PUT(offsetof(BlockMatrix, rows));
+#undef PUT
+    return 0;
+}

@@ -1,0 +1,126 @@
+"""Every decoder layer of a short-query step in one C call (``cadence/kernels/csrc/decoder_stack.c``).
+
+The structures mirror the C ones field for field (``decoder_struct_layout``
+lets the tests compare them); ``cadence.runner.decoder_stack`` fills them
+from a model and its KV cache. ``decoder_stack()`` is None where the library
+cannot be built (see ``cadence.kernels.build``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from cadence.kernels import build
+
+_PTR, _I64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_PARTS = 3
+# The cache's element type, as the C side numbers it.
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class BlockMatrix(ctypes.Structure):
+    """Rows of a matrix in ggml blocks (one part of a projection)."""
+
+    _fields_ = [("type", _I64), ("blocks", _PTR), ("rows", _I64)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """One layer's weights (float32 norms, block matrices) and its key/value caches."""
+
+    _fields_ = [
+        ("input_norm", _PTR), ("post_attention_norm", _PTR),
+        ("qkv", BlockMatrix * MAX_PARTS), ("qkv_parts", _I64), ("qkv_bias", _PTR),
+        ("o", BlockMatrix),
+        ("gate_up", BlockMatrix * MAX_PARTS), ("gate_up_parts", _I64),
+        ("down", BlockMatrix),
+        ("key_cache", _PTR), ("value_cache", _PTR),
+        ("rotary", _I64),
+    ]
+
+
+class DecoderShape(ctypes.Structure):
+    """The model's sizes, the cache's element type, the norms' eps and attention's scale."""
+
+    _fields_ = [
+        ("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
+        ("head_dim", _I64), ("intermediate", _I64), ("cache_dtype", _I64), ("block_size", _I64),
+        ("num_slots", _I64), ("eps", _FLOAT), ("scale", _FLOAT),
+    ]
+
+
+class DecoderStep(ctypes.Structure):
+    """One step's tokens (rotary rows, cache slots) and sequences (as the attention kernel reads them)."""
+
+    _fields_ = [
+        ("num_tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("slot_mapping", _PTR),
+        ("query_start", _PTR), ("query_len", _PTR), ("seq_len", _PTR), ("block_table", _PTR),
+        ("num_seqs", _I64), ("max_blocks", _I64), ("sliding_window", _I64),
+    ]
+
+
+# Name -> argtypes (checked against the C prototypes by the tests).
+SIGNATURES = {
+    # shape, layers, final norm, step, hidden (in: embeddings; overwritten), out
+    "decoder_stack": [_PTR] * 6,
+    # src, n, cache dtype, dst
+    "decoder_store_row": [_PTR, _I64, _I64, _PTR],
+    # out: sizeof and offsets of the structures
+    "decoder_struct_layout": [_PTR],
+}
+STRUCTURES = (DecoderLayer, DecoderShape, DecoderStep, BlockMatrix)
+
+
+class DecoderStackKernel:
+    """The library's functions."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = ctypes.c_int, argtypes
+            self._functions[name] = function
+        self._run = self._functions["decoder_stack"]
+
+    def run(self, shape: DecoderShape, layers: ctypes.Array, final_norm: torch.Tensor, step: DecoderStep,
+            hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` [T, H] = the stack's final-normed output for embeddings ``hidden`` [T, H]
+        (float32, contiguous; ``hidden`` is overwritten). The caller has checked every pointer."""
+        status = self._run(ctypes.byref(shape), layers, final_norm.data_ptr(), ctypes.byref(step),
+                           hidden.data_ptr(), out.data_ptr())
+        if status == -2:
+            raise MemoryError("decoder_stack: no memory for the step's buffers")
+        if status:
+            raise ValueError(f"decoder_stack: the kernels refused their arguments (status {status})")
+
+    def store_row(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """float32 x [n] as the C side stores it in a cache of ``dtype``."""
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(x.numel(), dtype=dtype)
+        if self._functions["decoder_store_row"](x.data_ptr(), x.numel(), CACHE_DTYPES[dtype], out.data_ptr()):
+            raise ValueError(f"decoder_store_row: no cache of {dtype}")
+        return out
+
+    def struct_layout(self) -> list[int]:
+        """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep and BlockMatrix, as C lays them out."""
+        out = (ctypes.c_int64 * 41)()
+        self._functions["decoder_struct_layout"](out)
+        return list(out)
+
+
+def ctypes_layout() -> list[int]:
+    """What ``DecoderStackKernel.struct_layout`` must return for these structures."""
+    layout = []
+    for structure in STRUCTURES:
+        layout.append(ctypes.sizeof(structure))
+        layout.extend(getattr(structure, name).offset for name, _ in structure._fields_)
+    return layout
+
+
+@functools.cache
+def decoder_stack(march: str = "native") -> DecoderStackKernel | None:
+    """The compiled library, or None (no compiler, build failed, or CADENCE_NATIVE=0)."""
+    library = build.load("decoder_stack", march)
+    return None if library is None else DecoderStackKernel(library)

@@ -1,0 +1,187 @@
+"""Steps of short queries through every decoder layer in one C call.
+
+A decode step of a small model on the CPU is mostly dispatch: per token,
+SmolLM2-135M makes ~300 kernel calls from Python (norms, products, rotary,
+cache writes, attention), each a few microseconds of C behind tens of
+microseconds of module calls, views and ctypes. ``FusedDecoder`` hands the
+whole stack to ``cadence/kernels/csrc/decoder_stack.c``, which calls the same
+kernels, in the same order, on the same values, so the result equals the
+module path's to the bit (tests/runner/test_fused_decoder.py).
+
+It runs a step when every token is a short query the attention kernel takes
+(decodes, speculative verification: ``AttentionMetadata.short`` and nothing
+else); prefill chunks go through the modules. The model must be one the C
+loop describes; ``FusedDecoder.build`` says why not otherwise:
+
+    float32 Llama-family layers, pre-norm (``norm_placement`` "pre"), SwiGLU,
+    whole-head rotary (or none, per layer), no q/k norm, no experts, no
+    attention soft-capping, one attention window for all layers, every
+    projection kept in GGUF blocks of a kernel type (a q/k/v bias allowed),
+    no LoRA adapters, the C attention kernel and fused ops in use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from cadence.kernels.decoder_stack import (
+    CACHE_DTYPES, MAX_PARTS, BlockMatrix, DecoderLayer, DecoderShape, DecoderStackKernel, DecoderStep,
+    decoder_stack,
+)
+from cadence.models.layers import Linear
+from cadence.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor
+
+if TYPE_CHECKING:
+    from cadence.models.config import ModelConfig
+    from cadence.runner.attention import AttentionMetadata
+    from cadence.runner.kv_cache import PagedKVCache
+
+
+class FusedDecoder:
+    """The model's decoder layers as one C call, for steps of short queries.
+
+    It holds pointers into ``kv_cache``: a runner that reallocates its cache builds a new one.
+    """
+
+    def __init__(self, kernel: DecoderStackKernel, model: LlamaForCausalLM, config: "ModelConfig",
+                 kv_cache: "PagedKVCache") -> None:
+        self.kernel = kernel
+        self.model = model
+        self.kv_cache = kv_cache
+        scale = config.attention_scale
+        self.shape = DecoderShape(
+            num_layers=config.num_hidden_layers, hidden=config.hidden_size,
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size,
+            cache_dtype=CACHE_DTYPES[kv_cache.data.dtype], block_size=kv_cache.block_size,
+            num_slots=kv_cache.num_slots, eps=config.rms_norm_eps,
+            scale=scale if scale is not None else config.head_dim ** -0.5,
+        )
+        layers = model.model.layers
+        self.layers = (DecoderLayer * len(layers))(*(_layer(layer, kv_cache, i) for i, layer in enumerate(layers)))
+        self.final_norm = model.model.norm.weight
+
+    @classmethod
+    def build(cls, arch: str | None, model: torch.nn.Module, config: "ModelConfig", kv_cache: "PagedKVCache",
+              *, uses_fused_ops: bool, uses_attention_kernel: bool,
+              per_layer_windows: bool) -> tuple["FusedDecoder | None", str]:
+        """The fused decoder for this model, built for ``-march=arch`` (None: no C kernels), or None and why not."""
+        reason = _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel, per_layer_windows)
+        if reason is None and arch is None:
+            reason = "the C kernels are unavailable"
+        kernel = decoder_stack(arch) if reason is None else None
+        if reason is None and kernel is None:
+            reason = "the C library did not build"
+        if reason is not None:
+            return None, f"decode steps layer by layer ({reason})"
+        return cls(kernel, model, config, kv_cache), "decode steps through all layers in one C call"
+
+    @staticmethod
+    def covers(metadata: "AttentionMetadata") -> bool:
+        """Whether every token of the step is a short query of the C attention kernel."""
+        return metadata.short is not None and not metadata.batched and not metadata.prefills
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: "AttentionMetadata") -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the step's tokens (keys and values written)."""
+        hidden = self.model.model.embed(input_ids).contiguous()  # [T, hidden] float32, the residual stream
+        cos, sin = self.model.model.rotary.rows(positions)  # float32 [T, D] each
+        short = metadata.short
+        slots = metadata.slot_mapping
+        _check_index(slots, torch.int64, hidden.shape[0])
+        for index in (short.query_start, short.query_len, short.seq_len):
+            _check_index(index, torch.int64, short.seq_len.shape[0])
+        _check_index(short.block_table, torch.int32, None)
+        step = DecoderStep(
+            num_tokens=hidden.shape[0], cos=cos.contiguous().data_ptr(), sin=sin.contiguous().data_ptr(),
+            slot_mapping=slots.data_ptr(), query_start=short.query_start.data_ptr(),
+            query_len=short.query_len.data_ptr(), seq_len=short.seq_len.data_ptr(),
+            block_table=short.block_table.data_ptr(), num_seqs=short.seq_len.shape[0],
+            max_blocks=short.block_table.shape[1], sliding_window=short.sliding_window or 0,
+        )
+        out = torch.empty_like(hidden)
+        self.kernel.run(self.shape, self.layers, self.final_norm, step, hidden, out)
+        return out
+
+
+def _check_index(t: torch.Tensor, dtype: torch.dtype, length: int | None) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" or (length is not None
+                                                                             and t.shape[0] != length):
+        raise ValueError(f"fused decoder: index tensors must be contiguous CPU {dtype}, "
+                         f"got {t.dtype} {tuple(t.shape)}")
+
+
+def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel, per_layer_windows) -> str | None:
+    """Why the C loop cannot run this model's decode steps (None: it can)."""
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not the Llama-family decoder"
+    if model.dtype != torch.float32:
+        return f"the model runs in {str(model.dtype).removeprefix('torch.')}, not float32"
+    if kv_cache.data.device.type != "cpu" or kv_cache.data.dtype not in CACHE_DTYPES:
+        return "the KV cache is not a CPU cache of float32, float16 or bfloat16"
+    if not (uses_fused_ops and uses_attention_kernel):
+        return "the C attention kernel or fused ops are not in use"
+    differences = [
+        ("a norm placement other than pre-norm", config.norm_placement != "pre"),
+        ("q/k norms", config.qk_norm is not None),
+        ("partial rotary", config.rotary_dim != config.head_dim),
+        ("mixture-of-experts layers", any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))),
+        (f"the {config.mlp_activation} activation", config.mlp_activation != "silu"),
+        ("offset norm weights", bool(config.norm_weight_offset)),
+        ("separate rotary tables for sliding-window layers", config.sliding_rope_theta is not None),
+        ("attention soft-capping", config.attn_logit_softcapping is not None),
+        ("per-layer attention windows", per_layer_windows),
+    ]
+    missing = [name for name, differs in differences if differs]
+    if missing:
+        return f"{config.architecture} has {', '.join(missing)}"
+    for i, layer in enumerate(model.model.layers):
+        if type(layer) is not LlamaDecoderLayer:
+            return f"layer {i} is a {type(layer).__name__}"
+        projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                       "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+        for name, linear in projections.items():
+            reason = _why_not_blocks(linear, allow_bias=name == "qkv_proj")
+            if reason is not None:
+                return f"layer {i}'s {name} {reason}"
+    return None
+
+
+def _why_not_blocks(linear: Linear, *, allow_bias: bool) -> str | None:
+    if linear.lora is not None:
+        return "has LoRA adapters"
+    if linear.bias is not None and not allow_bias:
+        return "has a bias"
+    parts = linear.quantized
+    if parts is None:
+        return "is not kept in GGUF blocks"
+    if len(parts) > MAX_PARTS:
+        return f"has {len(parts)} parts (at most {MAX_PARTS})"
+    if not all(isinstance(p, QuantizedTensor) and p.ggml_type in KERNEL_TYPES for p in parts):
+        return "has a part in float (a type without a kernel)"
+    return None
+
+
+def _matrices(parts) -> list[BlockMatrix]:
+    return [BlockMatrix(int(p.ggml_type), p.blocks.data_ptr(), p.shape[0]) for p in parts]
+
+
+def _layer(layer: LlamaDecoderLayer, kv_cache: "PagedKVCache", index: int) -> DecoderLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = _matrices(attn.qkv_proj.quantized), _matrices(mlp.gate_up_proj.quantized)
+    bias = attn.qkv_proj.bias
+    return DecoderLayer(
+        input_norm=layer.input_layernorm.weight.data_ptr(),
+        post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        qkv=(BlockMatrix * MAX_PARTS)(*qkv), qkv_parts=len(qkv),
+        qkv_bias=None if bias is None else bias.data_ptr(),
+        o=_matrices(attn.o_proj.quantized)[0],
+        gate_up=(BlockMatrix * MAX_PARTS)(*gate_up), gate_up_parts=len(gate_up),
+        down=_matrices(mlp.down_proj.quantized)[0],
+        key_cache=kv_cache.keys(index).data_ptr(), value_cache=kv_cache.values(index).data_ptr(),
+        rotary=int(attn.uses_rope),
+    )

@@ -1,0 +1,225 @@
+"""The C loop through all decoder layers (``FusedDecoder``) against the module path, bit for bit.
+
+Two runners share one model whose projections are random GGUF blocks of
+every kernel type (q, k, v in three types: three parts; gate and up in two);
+one takes decode steps through ``decoder_stack.c``, the other layer by layer
+in Python. The same schedule must give the same hidden states, the same KV
+cache bytes and the same tokens, on every cache dtype, the portable C build
+included, for each model variant the loop takes (a q/k/v bias, layers
+without rotary, a sliding window) and for speculative verification rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGMLType
+
+from tests.models import ggml_blocks
+from tests.runner.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, HandScheduler, prompt_of
+from cadence import cpu_features
+from cadence.config import LoRAConfig, SpeculativeConfig
+from cadence.kernels.decoder_stack import ctypes_layout, decoder_stack
+from cadence.models.quantized import QuantizedTensor
+from cadence.models.testing import random_model, tiny_config
+from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
+from cadence.runner.model_runner import ModelRunner
+
+CONFIG = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, num_hidden_layers=2)
+# Each shard's type: q/k/v and gate/up mix types, so their projections have several parts.
+SHARD_TYPES = {"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_K", "o_proj": "Q4_1",
+               "gate_proj": "Q4_1", "up_proj": "Q4_K", "down_proj": "Q8_0"}
+CPU_PATHS = {"as-built": (), "portable-c": ("avx2",)}
+
+
+def random_part(kind, rows, cols, rng):
+    raw = ggml_blocks.random_blocks(kind, rows * cols // ggml_blocks.BLOCK_VALUES[kind], rng).reshape(rows, -1)
+    return QuantizedTensor.from_gguf(GGMLType[kind], raw, (rows, cols))
+
+
+def quantized_model(config, seed=0):
+    """A random model of ``config`` whose layers' projections are random blocks of SHARD_TYPES."""
+    model = random_model(config, seed=seed)
+    rng = np.random.default_rng(seed)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            names = getattr(linear, "shard_names", None) or (("o_proj",) if linear is layer.self_attn.o_proj
+                                                             else ("down_proj",))
+            sizes = getattr(linear, "shard_sizes", None) or (linear.out_features,)
+            linear.keep_quantized([random_part(SHARD_TYPES[n], rows, linear.in_features, rng)
+                                   for n, rows in zip(names, sizes)])
+    return model
+
+
+def cpu_paths(path):
+    features = cpu_features.with_hidden(cpu_features.detect(), *CPU_PATHS[path])
+    if CPU_PATHS[path] and not features.is_x86:
+        pytest.skip("hiding AVX2 is an x86 path")
+    paths = choose_cpu_paths(torch.float32, features)
+    if paths.decoder_stack_arch is None:
+        pytest.skip("no C compiler here: the decoder stack cannot be built")
+    return paths
+
+
+def make_runner(model, paths, kv_cache_dtype=torch.float32, **options):
+    return ModelRunner(model, model.config, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32,
+                       max_num_seqs=8, max_model_len=256, cpu_paths=paths, kv_cache_dtype=kv_cache_dtype,
+                       **options)
+
+
+class Recorder:
+    """Wraps a runner's ``_forward``: each step's hidden states, and whether the C loop ran it."""
+
+    def __init__(self, runner):
+        self.hidden, self.fused = [], []
+        calls = [0]
+        if runner.fused_decoder is not None:
+            original = runner.fused_decoder.forward
+
+            def counted(*args):
+                calls[0] += 1
+                return original(*args)
+
+            runner.fused_decoder.forward = counted
+        forward = runner._forward
+
+        def recorded(step):
+            before = calls[0]
+            hidden, indices = forward(step)
+            self.hidden.append(hidden.clone())
+            self.fused.append(calls[0] > before)
+            return hidden, indices
+
+        runner._forward = recorded
+
+
+def run_schedule(runner, schedule):
+    """The schedule's steps on a fresh HandScheduler: (scheduler, recorder)."""
+    recorder = Recorder(runner)
+    sched = HandScheduler(runner, seed=3)
+    schedule(sched)
+    return sched, recorder
+
+
+def mixed_schedule(sched):
+    """Prefills (module path), then decodes of three sequences of different lengths."""
+    sched.add("a", prompt_of(1, 5))
+    sched.add("b", prompt_of(2, 19))
+    sched.step()
+    sched.add("c", prompt_of(3, 33))
+    sched.step({"a": 1, "b": 1, "c": 33})  # decodes beside a prefill: one module step
+    sched.decode(6)
+    sched.finish("a")
+    sched.decode(3)
+
+
+VARIANTS = {
+    "llama": {},
+    "qkv-bias": {"attention_bias": True},
+    "no-rope-layer": {"no_rope_layers": (1,)},
+    "sliding-window": {"sliding_window": 12},
+}
+
+
+def assert_same_run(config, path, kv_cache_dtype, schedule=mixed_schedule, **options):
+    model = quantized_model(config)
+    paths = cpu_paths(path)
+    fused_runner = make_runner(model, paths, kv_cache_dtype, **options)
+    assert fused_runner.fused_decoder is not None, fused_runner.fused_decoder_note
+    plain_runner = make_runner(model, paths, kv_cache_dtype, **options)
+    plain_runner.fused_decoder = None
+    fused_sched, fused = run_schedule(fused_runner, schedule)
+    plain_sched, plain = run_schedule(plain_runner, schedule)
+    assert sum(fused.fused) >= 8  # the decode steps ran in C ...
+    assert not all(fused.fused)  # ... the prefill steps did not
+    for step, (got, expected) in enumerate(zip(fused.hidden, plain.hidden)):
+        assert torch.equal(got, expected), f"step {step}"
+    assert torch.equal(fused_runner.kv_cache.data, plain_runner.kv_cache.data)
+    for req_id in fused_sched.reqs:
+        assert fused_sched.outputs(req_id) == plain_sched.outputs(req_id)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_steps_equal_the_module_path_bit_for_bit(path, kv_cache_dtype):
+    assert_same_run(CONFIG, path, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_the_loop_takes_equals_the_module_path(variant):
+    overrides = dict(VARIANTS[variant])
+    window = overrides.pop("sliding_window", None)
+    config = CONFIG.replace(**overrides)
+    assert_same_run(config, "as-built", torch.float16, sliding_window=window)
+
+
+def test_speculative_verification_rows_equal_the_module_path():
+    def schedule(sched):
+        sched.add("a", prompt_of(4, 9))
+        sched.add("b", prompt_of(5, 14))
+        sched.step()
+        for _ in range(8):  # each sequence verifies two drafts (3 query rows) per step
+            sched.step({"a": 3, "b": 3}, drafts={"a": [7, 8], "b": [9, 10]})
+
+    assert_same_run(CONFIG, "as-built", torch.float32, schedule,
+                    speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+
+
+def test_a_slot_outside_the_cache_is_refused_and_nothing_is_written():
+    runner = make_runner(quantized_model(CONFIG), cpu_paths("as-built"))
+    sched = HandScheduler(runner)
+    sched.add("a", prompt_of(6, 7))
+    sched.step()
+    plans = []
+    plan = runner._plan_attention
+    runner._plan_attention = lambda step, window: plans.append(plan(step, window)) or plans[-1]
+    sched.decode(1)
+    metadata = plans[-1]
+    before = runner.kv_cache.data.clone()
+    metadata.slot_mapping[0] = runner.kv_cache.num_slots  # one past the end
+    with pytest.raises(ValueError, match="refused"):
+        runner.fused_decoder.forward(torch.tensor([5]), torch.tensor([8]), metadata)
+    assert torch.equal(runner.kv_cache.data, before)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cache_rows_round_as_pytorch_rounds(path, dtype):
+    kernel = decoder_stack(cpu_paths(path).decoder_stack_arch)
+    edges = [0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e6, float("inf"), -float("inf"),
+             2.0 ** -14, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -26, 1e-30,
+             1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 3.0e38, -3.0e38]
+    random = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-9, 6, 1000)
+    for values in (torch.tensor(edges), random, random[:7]):  # [:7]: no vector loop at all
+        got = kernel.store_row(values, dtype)
+        assert torch.equal(got.view(torch.int16) if dtype != torch.float32 else got,
+                           values.to(dtype).view(torch.int16) if dtype != torch.float32 else values)
+    nan = kernel.store_row(torch.tensor([float("nan")] * 9), dtype)
+    assert torch.isnan(nan.float()).all()
+
+
+def test_the_structures_match_the_c_layout():
+    kernel = decoder_stack(cpu_paths("as-built").decoder_stack_arch)
+    assert kernel.struct_layout() == ctypes_layout()
+
+
+def reason_for(model, paths=None, **options):
+    runner = make_runner(model, paths or cpu_paths("as-built"), **options)
+    assert runner.fused_decoder is None
+    return runner.fused_decoder_note
+
+
+def test_models_and_runners_the_loop_does_not_take_say_why():
+    assert "not kept in GGUF blocks" in reason_for(random_model(CONFIG))
+    assert "q/k norms" in reason_for(quantized_model(CONFIG.replace(qk_norm="per_head")))
+    assert "fused ops are not in use" in reason_for(quantized_model(CONFIG), CpuPaths.plain())
+    paths = cpu_paths("as-built")
+    no_library = CpuPaths(paths.pack_weights, paths.fused_ops, paths.attention_kernel, paths.reasons,
+                          paths.quant_matmul, paths.quant_reason, None)
+    assert "C kernels are unavailable" in reason_for(quantized_model(CONFIG), no_library)
+    # Adapters can be loaded into any layer at any time: no C loop beside LoRA.
+    assert reason_for(quantized_model(CONFIG), lora_config=LoRAConfig(enable_lora=True)) is None
+    assert make_runner(quantized_model(CONFIG), paths).fused_decoder_note.endswith("in one C call")
