@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 # none: dequantize every GGUF at load. auto: keep the types below quantized,
 # dequantize others. gguf: keep them, refuse a quantized type without a kernel.
 QUANTIZATION_MODES = ("auto", "gguf", "none")
-KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K)
+KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,5 +221,20 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(2) * values - dmin.unsqueeze(2)).reshape(-1, 256)
 
 
-_DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q4_K: _q4_k}
-_BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q4_K: 144}
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Two halves of 128 values: ql [64] low nibbles, qh [32] high bit pairs, 8 int8
+    # scales (one per 16 values); value l of quarter c (l < 32) is
+    # ((ql[32 (c & 1) + l] >> 4 (c // 2)) & 15) | ((qh[l] >> 2c) & 3) << 4, minus 32.
+    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [B, half, c & 1, l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [B, half, 1, l]
+    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [B, half, c, l]: c = 0, 1 low nibbles; 2, 3 high
+    high = torch.cat([(qh >> (2 * c)) & 3 for c in range(4)], dim=2)  # [B, half, c, l]
+    values = (low | (high << 4)).float() - 32
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().reshape(-1, 2, 4, 2, 1)
+    d = _f16(blocks, 208).reshape(-1, 1, 1, 1, 1)
+    return ((d * scales) * values.reshape(-1, 2, 4, 2, 16)).reshape(-1, 256)  # (d * scale) * q, as ggml
+
+
+_DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q4_K: _q4_k,
+             GGMLType.Q6_K: _q6_k}
+_BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}

@@ -158,9 +158,10 @@ def test_parts_of_different_types_concatenate():
 
 
 def test_unsupported_quant_type_names_itself_and_the_supported_list():
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q6_K.*Q8_0, Q4_0, Q4_1, Q4_K"):
-        keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q6_K, "gguf")
-    assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q6_K, "auto")
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q5_K.*Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q5_K, "gguf")
+    assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q5_K, "auto")
+    assert keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q6_K, "gguf")
     assert not keeps_quantized("blk.0.ffn_up.weight", GGMLType.Q4_1, "none")
     assert not keeps_quantized("blk.0.attn_norm.weight", GGMLType.F32, "gguf")
     with pytest.raises(ValueError, match="quantization: must be one of auto, gguf, none"):
@@ -194,7 +195,9 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_lo
     qkv = model.model.layers[0].self_attn.qkv_proj.quantized
     assert [p.ggml_type for p in qkv] == [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K]
     assert model.model.embed_tokens.quantized.ggml_type == GGMLType.Q8_0
-    assert model.model.layers[0].mlp.down_proj.quantized is None  # Q6_K: no kernel, dequantized
+    assert [p.ggml_type for p in model.model.layers[0].mlp.down_proj.quantized] == [GGMLType.Q6_K]
+    assert [p.ggml_type for p in model.lm_head.quantized] == [GGMLType.Q6_K]
+    assert model.model.layers[0].mlp.gate_up_proj.quantized is None  # F16 and BF16: a float weight
     got = logits(model, IDS)
     # Every path rounds the activations alike, but a float32 sum taken in another
     # order can move a value across a rounding boundary: a step of 1/32767 of its
@@ -207,11 +210,14 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_lo
     assert (got - expected).abs().max().item() < 5e-4 * scale
 
 
-def test_gguf_mode_refuses_the_file_naming_the_tensor(mixed_gguf):
-    file, _ = mixed_gguf
-    assert TYPES["ffn_down"] == GGMLType.Q6_K
-    with pytest.raises(ValueError, match=r"quantization gguf: GGUF tensor 'blk\.0\.ffn_down\.weight' has type Q6_K"):
-        load_gguf_model(*read_gguf(file), quantization="gguf")
+def test_a_type_without_a_kernel_is_refused_naming_the_tensor(tmp_path):
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, CONFIG, random_checkpoint(CONFIG), types={**TYPES, "ffn_down": GGMLType.Q5_0})
+    with pytest.raises(ValueError, match=r"quantization gguf: GGUF tensor 'blk\.0\.ffn_down\.weight' has type Q5_0"):
+        load_gguf_model(*read_gguf(str(path)), quantization="gguf")
+    # auto keeps what it can and would dequantize the rest, which it cannot for this type either
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q5_0, which cadence cannot load"):
+        load_gguf_model(*read_gguf(str(path)), quantization="auto")
 
 
 def test_none_keeps_every_weight_float(mixed_gguf):

@@ -30,7 +30,7 @@ CONFIG = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads
                      head_dim=64, num_hidden_layers=2)
 # Each shard's type: q/k/v and gate/up mix types, so their projections have several parts.
 SHARD_TYPES = {"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_K", "o_proj": "Q4_1",
-               "gate_proj": "Q4_1", "up_proj": "Q4_K", "down_proj": "Q8_0"}
+               "gate_proj": "Q4_1", "up_proj": "Q4_K", "down_proj": "Q6_K"}
 CPU_PATHS = {"as-built": (), "portable-c": ("avx2",)}
 
 

@@ -1,7 +1,7 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K super-block). x is first
+ * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K or Q6_K super-block). x is first
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
@@ -43,7 +43,9 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };
+/* Types whose values come in 256-value super-blocks. */
+#define SUPER_BLOCK_TYPE(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q6_K)
 #define GROUP 32
 /* Multiply-adds below which a call stays on one thread. */
 #define PARALLEL_MIN_MACS (1 << 16)
@@ -111,12 +113,43 @@ static inline void decode_q4_k(const uint8_t *row, int64_t g, float *restrict ou
     for (int i = 0; i < GROUP; ++i) out[i] = (float)((q[i] >> shift) & 15) * d - offset;
 }
 
+/* Q6_K super-block (256 values, 210 bytes): 128 bytes of low nibbles (ql), 64
+ * bytes of high bit pairs (qh), 16 int8 scales (one per 16 values), half d last.
+ * Sub-block j (32 values) lies in half n = j / 4 (ql + 64n, qh + 32n, scales +
+ * 8n), quarter c = j % 4: value l is ((ql[32 (c & 1) + l] >> 4 (c / 2)) & 15) |
+ * ((qh[l] >> 2c) & 3) << 4, minus 32, times d * scale[2c + l / 16]. */
+typedef struct {
+    const uint8_t *ql, *qh;
+    const int8_t *scales; /* the sub-block's two */
+    int low_shift, high_shift;
+    float d;
+} Q6kGroup;
+
+static inline Q6kGroup q6_k_group(const uint8_t *row, int64_t g) {
+    const uint8_t *block = row + (g / 8) * 210;
+    const int j = (int)(g % 8), n = j / 4, c = j % 4;
+    Q6kGroup group = {block + 64 * n + 32 * (c & 1), block + 128 + 32 * n,
+                      (const int8_t *)(block + 192) + 8 * n + 2 * c, 4 * (c / 2), 2 * c, f16_at(block + 208)};
+    return group;
+}
+
+static inline void decode_q6_k(const uint8_t *row, int64_t g, float *restrict out) {
+    const Q6kGroup q = q6_k_group(row, g);
+    /* (d * scale) * value, as ggml multiplies them */
+    const float scaled[2] = {q.d * (float)q.scales[0], q.d * (float)q.scales[1]};
+    for (int l = 0; l < GROUP; ++l) {
+        const int value = (((q.ql[l] >> q.low_shift) & 15) | (((q.qh[l] >> q.high_shift) & 3) << 4)) - 32;
+        out[l] = scaled[l / 16] * (float)value;
+    }
+}
+
 static int64_t row_bytes(int type, int64_t k) {
     switch (type) {
     case TYPE_Q8_0: return k / 32 * 34;
     case TYPE_Q4_0: return k / 32 * 18;
     case TYPE_Q4_1: return k / 32 * 20;
     case TYPE_Q4_K: return k / 256 * 144;
+    case TYPE_Q6_K: return k / 256 * 210;
     default: return -1;
     }
 }
@@ -133,6 +166,15 @@ static inline void scale_bytes(__m256i bytes, int is_signed, float d, float m, _
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
     for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(bytes_to_floats(parts[j], is_signed), dv, mv);
+}
+
+/* A Q6_K group's 32 values, each q - 32, as signed bytes. */
+static inline __m256i q6_k_bytes(const Q6kGroup *q) {
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q->ql), q->low_shift),
+                                         _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q->qh), q->high_shift),
+                                          _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
 }
 
 /* 16 bytes of nibble pairs -> 32 bytes: low nibbles first, then high ones. */
@@ -170,6 +212,15 @@ static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __
         scale_bytes(nibbles, 0, f16_at(block) * (float)scale, -f16_at(block + 2) * (float)min, v);
         break;
     }
+    case TYPE_Q6_K: { /* values 0..15 and 16..31 have a scale each */
+        const Q6kGroup q = q6_k_group(row, g);
+        const __m256i values = q6_k_bytes(&q);
+        const __m128i low = _mm256_castsi256_si128(values), high = _mm256_extracti128_si256(values, 1);
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        for (int j = 0; j < 4; ++j)
+            v[j] = _mm256_mul_ps(_mm256_set1_ps(q.d * (float)q.scales[j / 2]), bytes_to_floats(parts[j], 1));
+        break;
+    }
     }
 }
 
@@ -190,6 +241,7 @@ static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict 
     case TYPE_Q4_0: for (int64_t g = 0; g < groups; ++g) decode_q4_0(row, g, out + g * GROUP); break;
     case TYPE_Q4_1: for (int64_t g = 0; g < groups; ++g) decode_q4_1(row, g, out + g * GROUP); break;
     case TYPE_Q4_K: for (int64_t g = 0; g < groups; ++g) decode_q4_k(row, g, out + g * GROUP); break;
+    case TYPE_Q6_K: for (int64_t g = 0; g < groups; ++g) decode_q6_k(row, g, out + g * GROUP); break;
     }
 }
 #endif
@@ -426,6 +478,15 @@ static inline void weight_group(int type, const uint8_t *row, int64_t g, __m256i
         *hi = _mm256_srli_epi16(bytes, 4);
         return;
     }
+    case TYPE_Q6_K: { /* each half's scale folded into its integers: |scale * q| <= 4096 */
+        const Q6kGroup q = q6_k_group(row, g);
+        const __m256i values = q6_k_bytes(&q);
+        *a = q.d, *b = 0.0f;
+        *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), _mm256_set1_epi16(q.scales[0]));
+        *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
+                                 _mm256_set1_epi16(q.scales[1]));
+        return;
+    }
     default: { /* TYPE_Q4_K: sub-block j's nibbles are the low or high halves of 32 bytes */
         const uint8_t *block = row + (g / 8) * 144;
         const int j = (int)(g % 8), shift = (j & 1) * 4;
@@ -480,7 +541,8 @@ static inline __attribute__((always_inline)) void direct_group(int type, int R, 
         const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
                                               _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(av, _mm256_set1_ps(x->d[i])), acc[r]);
-        if (type != TYPE_Q8_0) offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
+        if (type != TYPE_Q8_0 && type != TYPE_Q6_K) /* the types with an offset b */
+            offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
     }
 }
 
@@ -520,6 +582,7 @@ static void direct_row(int type, const uint8_t *row, int64_t groups, const Round
     case TYPE_Q8_0: DIRECT_BY_ROWS(TYPE_Q8_0); break;
     case TYPE_Q4_0: DIRECT_BY_ROWS(TYPE_Q4_0); break;
     case TYPE_Q4_1: DIRECT_BY_ROWS(TYPE_Q4_1); break;
+    case TYPE_Q6_K: DIRECT_BY_ROWS(TYPE_Q6_K); break;
     default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
     }
 }
@@ -597,7 +660,7 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
 int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t m,
                  int64_t x_stride, float *out, int64_t out_stride) {
     const int64_t stride = row_bytes(type, k);
-    if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
+    if (stride < 0 || k % (SUPER_BLOCK_TYPE(type) ? 256 : GROUP)) return -1;
     if (m == 0 || n == 0) return 0;
     if (m <= DIRECT_MAX_ROWS) return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
     return products_of_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
@@ -607,7 +670,7 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
 int quant_dequantize_rows(int type, const uint8_t *weight, int64_t k, const int64_t *ids, int64_t count,
                           float *out) {
     const int64_t stride = row_bytes(type, k);
-    if (stride < 0 || k % (type == TYPE_Q4_K ? 256 : GROUP)) return -1;
+    if (stride < 0 || k % (SUPER_BLOCK_TYPE(type) ? 256 : GROUP)) return -1;
     #pragma omp parallel for schedule(static) if (count * k >= PARALLEL_MIN_MACS)
     for (int64_t i = 0; i < count; ++i) decode_row(type, weight + ids[i] * stride, k, out + i * k);
     return 0;
