@@ -89,7 +89,8 @@ class FusedDecoder:
                 metadata: "AttentionMetadata") -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's tokens (keys and values written)."""
         hidden = self.model.model.embed(input_ids).contiguous()  # [T, hidden] float32, the residual stream
-        cos, sin = self.model.model.rotary.rows(positions)  # float32 [T, D] each
+        # float32 [T, D] each; held here, so the pointers below stay valid through the call
+        cos, sin = (t.contiguous() for t in self.model.model.rotary.rows(positions))
         short = metadata.short
         slots = metadata.slot_mapping
         _check_index(slots, torch.int64, hidden.shape[0])
@@ -97,7 +98,7 @@ class FusedDecoder:
             _check_index(index, torch.int64, short.seq_len.shape[0])
         _check_index(short.block_table, torch.int32, None)
         step = DecoderStep(
-            num_tokens=hidden.shape[0], cos=cos.contiguous().data_ptr(), sin=sin.contiguous().data_ptr(),
+            num_tokens=hidden.shape[0], cos=cos.data_ptr(), sin=sin.data_ptr(),
             slot_mapping=slots.data_ptr(), query_start=short.query_start.data_ptr(),
             query_len=short.query_len.data_ptr(), seq_len=short.seq_len.data_ptr(),
             block_table=short.block_table.data_ptr(), num_seqs=short.seq_len.shape[0],

@@ -305,7 +305,6 @@ class ModelRunner:
         if self.stager is not None:
             return self._forward_triton(step)
         metadata = self._plan_attention(step, self.sliding_window)
-        device = self.device
         if self.fused_decoder is not None and self.fused_decoder.covers(metadata):
             return self.fused_decoder.forward(step.input_ids, step.positions, metadata), step.logits_indices
         layer_metadata = {}
@@ -315,6 +314,7 @@ class ModelRunner:
         attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel,
                                    layer_metadata=layer_metadata, scale=config.attention_scale,
                                    softcap=config.attn_logit_softcapping)
+        device = self.device
         hidden = self.model(step.input_ids.to(device), step.positions.to(device), attention)
         return hidden, step.logits_indices.to(device)
 

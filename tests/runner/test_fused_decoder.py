@@ -44,13 +44,12 @@ def quantized_model(config, seed=0):
     model = random_model(config, seed=seed)
     rng = np.random.default_rng(seed)
     for layer in model.model.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj):
-            names = getattr(linear, "shard_names", None) or (("o_proj",) if linear is layer.self_attn.o_proj
-                                                             else ("down_proj",))
-            sizes = getattr(linear, "shard_sizes", None) or (linear.out_features,)
-            linear.keep_quantized([random_part(SHARD_TYPES[n], rows, linear.in_features, rng)
-                                   for n, rows in zip(names, sizes)])
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear, names in ((attn.qkv_proj, attn.qkv_proj.shard_names), (attn.o_proj, ("o_proj",)),
+                              (mlp.gate_up_proj, mlp.gate_up_proj.shard_names), (mlp.down_proj, ("down_proj",))):
+            sizes = getattr(linear, "shard_sizes", (linear.out_features,))
+            linear.keep_quantized([random_part(SHARD_TYPES[name], rows, linear.in_features, rng)
+                                   for name, rows in zip(names, sizes)])
     return model
 
 
