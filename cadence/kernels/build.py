@@ -62,6 +62,16 @@ def load(name: str, march: str = "native") -> ctypes.CDLL | None:
         return None
 
 
+def bind(library: ctypes.CDLL, signatures: dict[str, list], restype=ctypes.c_int) -> dict[str, ctypes._CFuncPtr]:
+    """The library's functions named in ``signatures`` (name -> argtypes), typed."""
+    functions = {}
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
+        functions[name] = function
+    return functions
+
+
 def build(name: str, march: str = "native") -> Path:
     """Compile ``csrc/<name>.c`` unless the cache already holds this exact build."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

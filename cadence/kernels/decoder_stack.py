@@ -77,11 +77,7 @@ class DecoderStackKernel:
     """The library's functions."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for name, argtypes in SIGNATURES.items():
-            function = getattr(library, name)
-            function.restype, function.argtypes = ctypes.c_int, argtypes
-            self._functions[name] = function
+        self._functions = build.bind(library, SIGNATURES)
         self._run = self._functions["decoder_stack"]
 
     def run(self, shape: DecoderShape, layers: ctypes.Array, final_norm: torch.Tensor, step: DecoderStep,

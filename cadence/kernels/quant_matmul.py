@@ -45,11 +45,7 @@ class QuantMatmul:
     """The library's functions with tensor arguments (float32 activations)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for name, argtypes in SIGNATURES.items():
-            function = getattr(library, name)
-            function.restype, function.argtypes = ctypes.c_int, argtypes
-            self._functions[name] = function
+        self._functions = build.bind(library, SIGNATURES)
         self._matmul = self._functions["quant_matmul"]
         describe = library.quant_matmul_isa
         describe.restype, describe.argtypes = ctypes.c_char_p, []
