@@ -456,24 +456,21 @@ int quant_round_activations(const float *x, int64_t m, int64_t k, float *out) {
  * of the group, so the group adds a * d * sum(u q) + b * d * sum(q). About
  * half the instructions of decoding the group to float32. */
 
-/* Group g of a weight row as 16-bit integers (values 0..15 in lo, 16..31 in hi), a and b. */
-static inline void weight_group(int type, const uint8_t *row, int64_t g, __m256i *lo, __m256i *hi,
-                                float *a, float *b) {
+/* Group g of a weight row as 16-bit integers u (values 0..15 in lo, 16..31 in hi);
+ * the group's weights are a * u + b (``group_scales``, ``super_block_scales``). */
+static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256i *lo, __m256i *hi) {
     const __m256i low_nibble = _mm256_set1_epi16(15);
     switch (type) {
     case TYPE_Q8_0: {
         const uint8_t *block = row + g * 34;
-        *a = f16_at(block), *b = 0.0f;
         *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
         return;
     }
     case TYPE_Q4_0:
     case TYPE_Q4_1: { /* byte i holds values i (low nibble) and i + 16 (high) */
-        const uint8_t *block = row + g * (type == TYPE_Q4_0 ? 18 : 20);
-        *a = f16_at(block);
-        *b = type == TYPE_Q4_0 ? -8.0f * *a : f16_at(block + 2);
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + (type == TYPE_Q4_0 ? 2 : 4))));
+        const uint8_t *q = row + g * (type == TYPE_Q4_0 ? 18 : 20) + (type == TYPE_Q4_0 ? 2 : 4);
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
         *lo = _mm256_and_si256(bytes, low_nibble);
         *hi = _mm256_srli_epi16(bytes, 4);
         return;
@@ -481,24 +478,52 @@ static inline void weight_group(int type, const uint8_t *row, int64_t g, __m256i
     case TYPE_Q6_K: { /* each half's scale folded into its integers: |scale * q| <= 4096 */
         const Q6kGroup q = q6_k_group(row, g);
         const __m256i values = q6_k_bytes(&q);
-        *a = q.d, *b = 0.0f;
         *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), _mm256_set1_epi16(q.scales[0]));
         *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
                                  _mm256_set1_epi16(q.scales[1]));
         return;
     }
     default: { /* TYPE_Q4_K: sub-block j's nibbles are the low or high halves of 32 bytes */
-        const uint8_t *block = row + (g / 8) * 144;
         const int j = (int)(g % 8), shift = (j & 1) * 4;
-        int scale, min;
-        q4_k_scale_min(block + 4, j, &scale, &min);
-        *a = f16_at(block) * (float)scale, *b = -f16_at(block + 2) * (float)min;
-        const uint8_t *q = block + 16 + 32 * (j / 2);
+        const uint8_t *q = row + (g / 8) * 144 + 16 + 32 * (j / 2);
         *lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q)), shift), low_nibble);
         *hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16))), shift),
                                low_nibble);
         return;
     }
+    }
+}
+
+/* Groups j and j + 1 (j even) of a Q4_K super-block, which share their 32 bytes:
+ * j in the low nibbles, j + 1 in the high ones. Each byte is widened once. */
+static inline void q4_k_pair_values(const uint8_t *block, int j, __m256i values[4]) {
+    const uint8_t *q = block + 16 + 32 * (j / 2);
+    const __m256i low_nibble = _mm256_set1_epi16(15);
+    const __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i second = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    values[0] = _mm256_and_si256(first, low_nibble), values[1] = _mm256_and_si256(second, low_nibble);
+    values[2] = _mm256_srli_epi16(first, 4), values[3] = _mm256_srli_epi16(second, 4);
+}
+
+/* a and b of group g of a Q8_0, Q4_0 or Q4_1 row. */
+static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float *b) {
+    const uint8_t *block = row + g * (type == TYPE_Q8_0 ? 34 : (type == TYPE_Q4_0 ? 18 : 20));
+    *a = f16_at(block);
+    *b = type == TYPE_Q8_0 ? 0.0f : (type == TYPE_Q4_0 ? -8.0f * *a : f16_at(block + 2));
+}
+
+/* a and b of the eight groups of a Q4_K or Q6_K super-block, unpacked once for all of them. */
+static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[8]) {
+    if (type == TYPE_Q6_K) { /* the int8 scales are in the integers (weight_values) */
+        const float d = f16_at(block + 208);
+        for (int j = 0; j < 8; ++j) a[j] = d, b[j] = 0.0f;
+        return;
+    }
+    const float d = f16_at(block), dmin = f16_at(block + 2);
+    for (int j = 0; j < 8; ++j) {
+        int scale, min;
+        q4_k_scale_min(block + 4, j, &scale, &min);
+        a[j] = d * (float)scale, b[j] = -dmin * (float)min;
     }
 }
 
@@ -527,13 +552,11 @@ static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k
     return rounded;
 }
 
-/* Group g's share for R rows: acc[r] += a * d * sums, offset[r] += b * d * sum(q). */
-static inline __attribute__((always_inline)) void direct_group(int type, int R, const uint8_t *row, int64_t g,
-                                                              int64_t groups, const RoundedGroups *x,
-                                                              __m256 *acc, __m256 *offset) {
-    float a, b;
-    __m256i lo, hi;
-    weight_group(type, row, g, &lo, &hi, &a, &b);
+/* Group g's share for R rows, its weights a * (lo | hi) + b: acc[r] += a * d * sums,
+ * offset[r] += b * d * sum(q). */
+static inline __attribute__((always_inline)) void direct_group(int type, int R, int64_t g, int64_t groups,
+                                                              const RoundedGroups *x, __m256i lo, __m256i hi,
+                                                              float a, float b, __m256 *acc, __m256 *offset) {
     const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
     for (int r = 0; r < R; ++r) {
         const int64_t i = r * groups + g;
@@ -555,11 +578,40 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
     for (int r = 0; r < R; ++r)
         even[r] = odd[r] = even_offset[r] = odd_offset[r] = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-        direct_group(type, R, row, g, groups, x, even, even_offset);
-        direct_group(type, R, row, g + 1, groups, x, odd, odd_offset);
+    __m256i v[4];
+    if (SUPER_BLOCK_TYPE(type)) { /* groups come in eights, their scales unpacked together */
+        const int64_t block_bytes = type == TYPE_Q4_K ? 144 : 210;
+        for (; g < groups; g += 8) {
+            const uint8_t *block = row + (g / 8) * block_bytes;
+            float a[8], b[8];
+            super_block_scales(type, block, a, b);
+            for (int j = 0; j < 8; j += 2) {
+                if (type == TYPE_Q4_K) {
+                    q4_k_pair_values(block, j, v);
+                } else {
+                    weight_values(type, row, g + j, &v[0], &v[1]);
+                    weight_values(type, row, g + j + 1, &v[2], &v[3]);
+                }
+                direct_group(type, R, g + j, groups, x, v[0], v[1], a[j], b[j], even, even_offset);
+                direct_group(type, R, g + j + 1, groups, x, v[2], v[3], a[j + 1], b[j + 1], odd, odd_offset);
+            }
+        }
+    } else {
+        float a, b;
+        for (; g + 2 <= groups; g += 2) {
+            group_scales(type, row, g, &a, &b);
+            weight_values(type, row, g, &v[0], &v[1]);
+            direct_group(type, R, g, groups, x, v[0], v[1], a, b, even, even_offset);
+            group_scales(type, row, g + 1, &a, &b);
+            weight_values(type, row, g + 1, &v[2], &v[3]);
+            direct_group(type, R, g + 1, groups, x, v[2], v[3], a, b, odd, odd_offset);
+        }
+        if (g < groups) {
+            group_scales(type, row, g, &a, &b);
+            weight_values(type, row, g, &v[0], &v[1]);
+            direct_group(type, R, g, groups, x, v[0], v[1], a, b, even, even_offset);
+        }
     }
-    if (g < groups) direct_group(type, R, row, g, groups, x, even, even_offset);
     for (int r = 0; r < R; ++r) {
         /* every lane of an offset holds the same sum: one lane of it */
         const float offset = _mm256_cvtss_f32(_mm256_add_ps(even_offset[r], odd_offset[r]));
