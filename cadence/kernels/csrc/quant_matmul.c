@@ -475,20 +475,13 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
         *hi = _mm256_srli_epi16(bytes, 4);
         return;
     }
-    case TYPE_Q6_K: { /* each half's scale folded into its integers: |scale * q| <= 4096 */
+    default: { /* TYPE_Q6_K, each half's scale folded into its integers: |scale * q| <= 4096
+                * (Q4_K's groups come in pairs: q4_k_pair_values) */
         const Q6kGroup q = q6_k_group(row, g);
         const __m256i values = q6_k_bytes(&q);
         *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), _mm256_set1_epi16(q.scales[0]));
         *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
                                  _mm256_set1_epi16(q.scales[1]));
-        return;
-    }
-    default: { /* TYPE_Q4_K: sub-block j's nibbles are the low or high halves of 32 bytes */
-        const int j = (int)(g % 8), shift = (j & 1) * 4;
-        const uint8_t *q = row + (g / 8) * 144 + 16 + 32 * (j / 2);
-        *lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q)), shift), low_nibble);
-        *hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16))), shift),
-                               low_nibble);
         return;
     }
     }
