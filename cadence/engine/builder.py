@@ -158,6 +158,11 @@ def assemble_engine(
         print(f"cadence: weights kept quantized: {describe_quantized(kept)}; {reason}", file=log)
         if getattr(runner, "fused_decoder_note", None):
             print(f"cadence: {runner.fused_decoder_note}", file=log)
+    dequantized = getattr(model, "dequantized_at_load", {})
+    if dequantized:
+        counts = ", ".join(f"{name} x{n}" for name, n in sorted(dequantized.items()))
+        print(f"cadence: GGUF tensors dequantized to {_dtype_name(dtype)} at load (no quantized kernel "
+              f"computes their type): {counts}", file=log)
     # The options as they ran: dtype "auto" made concrete, the cache sized.
     engine_config = dataclasses.replace(engine_config, dtype=_dtype_name(dtype))
     options = dataclasses.replace(options, engine=engine_config, scheduler=scheduler_config,

@@ -1,9 +1,12 @@
 """GGUF tensor data -> torch tensor, dequantizing the block formats cadence supports.
 
-The block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) are decoded by ``gguf.quants``
-(llama.cpp's own Python package); ``tests/models/test_dequant.py`` checks it
-against block layouts written out independently from ggml's definitions.
-Float formats are reinterpreted directly in torch.
+The block formats are decoded by ``gguf.quants`` (llama.cpp's own Python
+package): every type a llama.cpp quantization preset writes, so any GGUF
+from ``llama-quantize`` loads (Q4_K_M files mix Q4_K, Q6_K and, in matrices
+whose rows are not a multiple of 256, Q5_0; Q3_K and Q2_K presets fall back
+to IQ4_NL). ``tests/models/test_gguf_dequant.py`` checks the types with a
+quantized kernel against block layouts written out independently from
+ggml's definitions. Float formats are reinterpreted directly in torch.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants
 
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-BLOCK_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+BLOCK_TYPES = (
+    GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+    GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+    GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.IQ4_XS,
+    GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4,
+)
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
 
 

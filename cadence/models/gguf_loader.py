@@ -29,16 +29,17 @@ Mixture-of-experts files stack the experts (``blk.N.ffn_up_exps.weight``
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any, Iterator
 
 import torch
 
 from cadence.models.architectures import ARCHITECTURES
 from cadence.models.config import ModelConfig
-from cadence.models.dequant import to_torch
+from cadence.models.dequant import FLOAT_TYPES, to_torch
 from cadence.models.gguf_file import GGUFFile, GGUFTensor
 from cadence.models.llama import LlamaForCausalLM
-from cadence.models.quantized import QuantizedTensor, keeps_quantized
+from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor, keeps_quantized
 
 # GGUF tensor name -> HF name, for tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -108,6 +109,10 @@ def load_gguf_model(reader: GGUFFile, metadata: dict[str, Any], dtype: torch.dty
     config = gguf_model_config(reader, metadata)
     model = LlamaForCausalLM(config, dtype)
     model.load_weights(_hf_named_tensors(reader, config, dtype, quantization))
+    if quantization == "auto":
+        model.dequantized_at_load = dict(Counter(
+            t.tensor_type.name for t in reader.tensors
+            if t.tensor_type not in FLOAT_TYPES and t.tensor_type not in KERNEL_TYPES))
     return model.eval(), config
 
 

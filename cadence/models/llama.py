@@ -263,6 +263,8 @@ class LlamaForCausalLM(torch.nn.Module):
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tied_head_packed: torch.Tensor | None = None  # see pack_weights
         self.quant_kernel: QuantMatmul | None = None  # the tied head's, see use_quant_kernel
+        # GGUF block types this model's loader dequantized for want of a kernel -> tensor count
+        self.dequantized_at_load: dict[str, int] = {}
 
     @property
     def dtype(self) -> torch.dtype:

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 # none: dequantize every GGUF at load. auto: keep the types below quantized,
 # dequantize others. gguf: keep them, refuse a quantized type without a kernel.
 QUANTIZATION_MODES = ("auto", "gguf", "none")
-KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K)
+KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_K,
+                GGMLType.Q5_K, GGMLType.Q6_K)
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,16 +209,51 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _nibbles(blocks[:, 4:]).float() * _f16(blocks, 0) + _f16(blocks, 2)
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # 8 sub-blocks of 32: 6-bit scales and mins packed in bytes 4..15, nibbles in 16..143
-    # (bytes 32c .. 32c+31 hold sub-block 2c in their low nibbles, 2c+1 in their high ones).
-    packed = blocks[:, 4:16].int()
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[B, 4] bytes (a little-endian 32-bit word) -> [B, 32]: bit i of the word, times 16."""
+    bits = (qh.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8)) & 1  # [B, byte, bit]
+    return bits.reshape(-1, 32) << 4
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    return ((_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).float() - 16) * _f16(blocks, 0)
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    return (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])).float() * _f16(blocks, 0) + _f16(blocks, 2)
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes of packed 6-bit values -> scales, mins float32 [B, 8]."""
+    packed = packed.int()
     low, mid, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=1).float()  # [B, 8]
+    scales = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=1).float()
     mins = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=1).float()
-    quants = blocks[:, 16:].reshape(-1, 4, 32)
-    values = torch.stack([quants & 15, quants >> 4], dim=2).reshape(-1, 8, 32).float()
+    return scales, mins
+
+
+def _k_nibbles(quants: torch.Tensor) -> torch.Tensor:
+    """128 bytes [B, 128] -> [B, 8, 32]: bytes 32c .. 32c+31 hold sub-block 2c in their
+    low nibbles, 2c+1 in their high ones."""
+    quants = quants.reshape(-1, 4, 32)
+    return torch.stack([quants & 15, quants >> 4], dim=2).reshape(-1, 8, 32)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # 8 sub-blocks of 32: 6-bit scales and mins packed in bytes 4..15, nibbles in 16..143.
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    values = _k_nibbles(blocks[:, 16:]).float()
     d, dmin = _f16(blocks, 0) * scales, _f16(blocks, 2) * mins  # [B, 8]
+    return (d.unsqueeze(2) * values - dmin.unsqueeze(2)).reshape(-1, 256)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q4_K's layout with 32 bytes qh (16..47) before the nibbles (48..175): bit j of qh[l]
+    # is bit 4 of value l of sub-block j.
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    fifth = (blocks[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1  # [B, 8, 32]
+    values = (_k_nibbles(blocks[:, 48:]) | (fifth << 4)).float()
+    d, dmin = _f16(blocks, 0) * scales, _f16(blocks, 2) * mins
     return (d.unsqueeze(2) * values - dmin.unsqueeze(2)).reshape(-1, 256)
 
 
@@ -235,6 +271,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales) * values.reshape(-1, 2, 4, 2, 16)).reshape(-1, 256)  # (d * scale) * q, as ggml
 
 
-_DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q4_K: _q4_k,
-             GGMLType.Q6_K: _q6_k}
-_BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
+_DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0,
+             GGMLType.Q5_1: _q5_1, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k}
+_BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q5_1: 24,
+                GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210}

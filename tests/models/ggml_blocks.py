@@ -12,8 +12,10 @@ import numpy as np
 
 QK = 32  # values per block of Q8_0 / Q4_0 / Q4_1
 QK_K = 256  # values per super-block of the K-quants
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
-BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q4_K": QK_K, "Q6_K": QK_K}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176,
+               "Q6_K": 210}
+BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK, "Q4_K": QK_K, "Q5_K": QK_K,
+                "Q6_K": QK_K}
 
 
 def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -67,6 +69,35 @@ def _q4_1(block: np.ndarray) -> np.ndarray:
     return y
 
 
+def _q5_0(block: np.ndarray) -> np.ndarray:
+    # struct { half d; uint8 qh[4]; uint8 qs[16]; }  qh: a little-endian uint32 holding
+    # bit 4 of every value (bit j for value j); 5-bit values minus 16, times d
+    d = _f16(block[0:2])
+    qh = int.from_bytes(bytes(block[2:6]), "little")
+    qs = block[6:22]
+    y = np.zeros(QK, dtype=np.float32)
+    for j in range(QK // 2):
+        low = (int(qs[j]) & 0x0F) | (((qh >> j) & 1) << 4)
+        high = (int(qs[j]) >> 4) | (((qh >> (j + 16)) & 1) << 4)
+        y[j] = np.float32(low - 16) * d
+        y[j + QK // 2] = np.float32(high - 16) * d
+    return y
+
+
+def _q5_1(block: np.ndarray) -> np.ndarray:
+    # struct { half d; half m; uint8 qh[4]; uint8 qs[16]; }  y = q * d + m, q unsigned 5-bit
+    d, m = _f16(block[0:2]), _f16(block[2:4])
+    qh = int.from_bytes(bytes(block[4:8]), "little")
+    qs = block[8:24]
+    y = np.zeros(QK, dtype=np.float32)
+    for j in range(QK // 2):
+        low = (int(qs[j]) & 0x0F) | (((qh >> j) & 1) << 4)
+        high = (int(qs[j]) >> 4) | (((qh >> (j + 16)) & 1) << 4)
+        y[j] = np.float32(low) * d + m
+        y[j + QK // 2] = np.float32(high) * d + m
+    return y
+
+
 def _k4_scale_min(j: int, scales: np.ndarray) -> tuple[int, int]:
     """6-bit scale and min of sub-block j (0..7) from the 12 packed bytes."""
     q = [int(b) for b in scales]
@@ -89,6 +120,22 @@ def _q4_k(block: np.ndarray) -> np.ndarray:
             d_sub, m_sub = d * np.float32(scale), dmin * np.float32(minimum)
             for l in range(32):
                 q = (int(qs[32 * chunk + l]) >> shift) & 0x0F
+                y[32 * sub + l] = d_sub * np.float32(q) - m_sub
+    return y
+
+
+def _q5_k(block: np.ndarray) -> np.ndarray:
+    # struct { half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]; }
+    # As Q4_K, plus a fifth bit: bit `sub` of qh[l] for value l of sub-block `sub`.
+    d, dmin = _f16(block[0:2]), _f16(block[2:4])
+    scales, qh, qs = block[4:16], block[16:48], block[48:176]
+    y = np.zeros(QK_K, dtype=np.float32)
+    for chunk in range(4):
+        for sub, shift in ((2 * chunk, 0), (2 * chunk + 1, 4)):
+            scale, minimum = _k4_scale_min(sub, scales)
+            d_sub, m_sub = d * np.float32(scale), dmin * np.float32(minimum)
+            for l in range(32):
+                q = ((int(qs[32 * chunk + l]) >> shift) & 0x0F) | (((int(qh[l]) >> sub) & 1) << 4)
                 y[32 * sub + l] = d_sub * np.float32(q) - m_sub
     return y
 
@@ -116,9 +163,23 @@ def _q6_k(block: np.ndarray) -> np.ndarray:
     return y
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+             "Q5_K": _q5_k, "Q6_K": _q6_k}
 # Byte offsets of the fp16 scale fields in each block.
-_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+
+# Types cadence loads by dequantizing them (no kernel, no decoder here): their block
+# sizes and fp16 fields, so random_blocks can write valid ones. ``gguf.quants`` decodes them.
+UNDECODED_BLOCKS = {"Q2_K": (QK_K, 84, (80, 82)), "Q3_K": (QK_K, 110, (108,)), "IQ4_NL": (QK, 18, (0,)),
+                    "IQ4_XS": (QK_K, 136, (0,))}
+for _kind, (_values, _size, _fields) in UNDECODED_BLOCKS.items():
+    BLOCK_VALUES[_kind], BLOCK_BYTES[_kind], _FP16_FIELDS[_kind] = _values, _size, _fields
+
+
+def decodes(kind: str) -> bool:
+    """Whether ``dequantize`` here decodes ``kind`` (independently of cadence and gguf)."""
+    return kind in _DECODERS
 
 
 def round_activations(x: np.ndarray) -> np.ndarray:

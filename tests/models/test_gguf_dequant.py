@@ -5,11 +5,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 
 from tests.models import ggml_blocks
 from cadence.models.dequant import SUPPORTED_TYPES, to_torch
 
-BLOCK_KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+# The block types the reference decodes independently (every type with a kernel).
+BLOCK_KINDS = [kind for kind in ggml_blocks.BLOCK_BYTES if ggml_blocks.decodes(kind)]
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
@@ -24,7 +26,7 @@ def test_random_blocks_decode_like_the_reference(kind):
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantized_real_values_decode_close_to_the_originals(kind):
     # gguf.quants.quantize ports llama.cpp's reference quantizer: a realistic file.
     values = np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32)
@@ -33,7 +35,7 @@ def test_quantized_real_values_decode_close_to_the_originals(kind):
     got = to_torch("w", GGMLType[kind], raw, values.shape, torch.float32).numpy()
 
     np.testing.assert_allclose(got, ggml_blocks.dequantize(kind, raw, values.shape), rtol=1e-6, atol=1e-7)
-    step = {"Q8_0": 127, "Q4_0": 7, "Q4_1": 15}[kind]  # quantization levels per block range
+    step = {"Q8_0": 127, "Q4_0": 7, "Q4_1": 15, "Q5_0": 15, "Q5_1": 31}[kind]  # levels per block range
     assert np.abs(got - values).max() <= 2 * np.abs(values).max() / step
 
 
@@ -61,7 +63,15 @@ def test_result_is_cast_to_the_requested_dtype():
     assert to_torch("w", GGMLType.Q8_0, raw, (2, 32), torch.bfloat16).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kind", [GGMLType.Q5_K, GGMLType.Q2_K, GGMLType.IQ4_NL, GGMLType.Q5_0])
+@pytest.mark.parametrize("kind", [t for t in SUPPORTED_TYPES if t.name not in ("F32", "F16", "BF16")])
+def test_a_zero_block_of_every_supported_type_decodes_to_zeros(kind):
+    values_per_block, block_bytes = GGML_QUANT_SIZES[kind]
+    raw = np.zeros((2, 2 * block_bytes), dtype=np.uint8)
+    got = to_torch("w", kind, raw, (2, 2 * values_per_block), torch.float32)
+    assert got.shape == (2, 2 * values_per_block) and not got.any()
+
+
+@pytest.mark.parametrize("kind", [GGMLType.Q8_K, GGMLType.Q8_1, GGMLType.F64, GGMLType.I8])
 def test_unsupported_type_raises_naming_tensor_and_type(kind):
     assert kind not in SUPPORTED_TYPES
     raw = np.zeros((1, 256), dtype=np.uint8)

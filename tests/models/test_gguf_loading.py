@@ -13,9 +13,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import GGUFWriter, quants
+from gguf.constants import GGML_QUANT_SIZES
 
 from tests.models import ggml_blocks
 from cadence.models.attention_ref import ReferenceAttention
+from cadence.models.dequant import SUPPORTED_TYPES
 from cadence.models.gguf_loader import hf_tensor_name, load_gguf_model, read_gguf, unpermute_rope_rows
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.testing import hf_checkpoint, random_model, tiny_config
@@ -24,13 +26,21 @@ from cadence.models.testing import hf_checkpoint, random_model, tiny_config
 CONFIG = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2, rope_theta=10000.0)
 
-# The storage type of each tensor kind: every supported type is exercised.
+# The storage type of each tensor kind: the float types and the 4- and 8-bit block types.
 TYPES = {
     "token_embd": GGMLType.Q8_0, "attn_q": GGMLType.Q4_0, "attn_k": GGMLType.Q8_0,
     "attn_v": GGMLType.Q4_K, "attn_output": GGMLType.Q4_1, "ffn_gate": GGMLType.F16,
     "ffn_up": GGMLType.BF16, "ffn_down": GGMLType.Q6_K, "output": GGMLType.Q6_K,
     "attn_norm": GGMLType.F32, "ffn_norm": GGMLType.F32, "output_norm": GGMLType.F32,
 }
+# The 5-bit block types, and (gate, up, down) types that only dequantizing loads, as
+# llama.cpp's Q2_K, Q3_K and IQ4 presets write them.
+TYPES_5_BIT = {
+    **TYPES, "token_embd": GGMLType.Q5_0, "attn_q": GGMLType.Q5_0, "attn_k": GGMLType.Q5_1,
+    "attn_v": GGMLType.Q5_K, "attn_output": GGMLType.Q5_1, "ffn_gate": GGMLType.Q2_K,
+    "ffn_up": GGMLType.IQ4_NL, "ffn_down": GGMLType.Q3_K, "output": GGMLType.IQ4_XS,
+}
+SUPPORTED_TYPE_NAMES = {t.name for t in SUPPORTED_TYPES}
 GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
@@ -58,7 +68,8 @@ def llama_cpp_permute(weight, num_heads):
 
 
 def encode(name, values, ggml_type, rng):
-    """(bytes or values to write, what they decode to). K-quants: random blocks."""
+    """(bytes or values to write, what they decode to). K- and IQ-quants: random blocks;
+    a type cadence must refuse: zero bytes, decoding to NaN (nothing to compare)."""
     if ggml_type in (GGMLType.F32, GGMLType.F16):
         stored = values.astype(np.float32 if ggml_type == GGMLType.F32 else np.float16)
         return stored, stored.astype(np.float32)
@@ -66,13 +77,17 @@ def encode(name, values, ggml_type, rng):
         stored = torch.from_numpy(values).to(torch.bfloat16)
         return stored.view(torch.int16).numpy().view(np.uint8), stored.float().numpy()
     kind = ggml_type.name
-    if kind in ("Q4_K", "Q6_K"):
-        num_blocks = values.size // ggml_blocks.QK_K
-        raw = ggml_blocks.random_blocks(kind, num_blocks, rng).reshape(values.shape[0], -1)
-    else:
-        raw = quants.quantize(values, ggml_type)
-    if kind not in ggml_blocks.BLOCK_BYTES:  # a type cadence must refuse: no decoding to compare
+    if kind not in SUPPORTED_TYPE_NAMES:
+        values_per_block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        raw = np.zeros((values.shape[0], values.shape[1] // values_per_block * block_bytes), dtype=np.uint8)
         return raw, np.full(values.shape, np.nan, dtype=np.float32)
+    if kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        raw = quants.quantize(values, ggml_type)  # llama.cpp's reference quantizer
+    else:
+        num_blocks = values.size // ggml_blocks.BLOCK_VALUES[kind]
+        raw = ggml_blocks.random_blocks(kind, num_blocks, rng).reshape(values.shape[0], -1)
+    if not ggml_blocks.decodes(kind):  # only gguf.quants decodes it: the reference for the loader
+        return raw, quants.dequantize(raw, ggml_type).reshape(values.shape)
     return raw, ggml_blocks.dequantize(kind, raw, values.shape)
 
 
@@ -134,8 +149,9 @@ def direct_model(config, decoded):
 IDS = list(range(3, 40))
 
 
-def test_quantized_llama_gguf_loads_the_written_weights(tmp_path):
-    decoded = write_gguf(tmp_path / "m.gguf", CONFIG, random_checkpoint(CONFIG))
+@pytest.mark.parametrize("types", [TYPES, TYPES_5_BIT], ids=["4-bit", "5-bit"])
+def test_quantized_llama_gguf_loads_the_written_weights(tmp_path, types):
+    decoded = write_gguf(tmp_path / "m.gguf", CONFIG, random_checkpoint(CONFIG), types=types)
     model, config = load_gguf_model(*read_gguf(str(tmp_path / "m.gguf")))
     assert config == CONFIG.replace(bos_token_id=None)
     torch.testing.assert_close(logits(model, IDS), logits(direct_model(CONFIG, decoded), IDS), atol=1e-5, rtol=1e-5)
@@ -193,9 +209,9 @@ def test_rope_freqs_tensor_reproduces_llama3_scaling(tmp_path):
 
 
 def test_unsupported_tensor_type_in_file_names_the_tensor(tmp_path):
-    types = {**TYPES, "ffn_gate": GGMLType.Q5_0}
+    types = {**TYPES, "ffn_gate": GGMLType.Q8_K}  # llama.cpp's activation type, never a weight's
     write_gguf(tmp_path / "u.gguf", CONFIG, random_checkpoint(CONFIG), types=types)
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate\.weight' has type Q5_0"):
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate\.weight' has type Q8_K, which cadence cannot load"):
         load_gguf_model(*read_gguf(str(tmp_path / "u.gguf")))
 
 

@@ -8,14 +8,19 @@ no kernel at all (PyTorch dequantizes per call). Blocks are random but valid
 decoders of ``ggml_blocks``.
 """
 
+import io
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
 from tests.models import ggml_blocks
-from tests.models.test_gguf_loading import CONFIG, TYPES, direct_model, logits, random_checkpoint, write_gguf
+from tests.models.test_gguf_loading import (CONFIG, TYPES, TYPES_5_BIT, direct_model, logits, random_checkpoint,
+                                           write_gguf)
 from cadence import cpu_features
+from cadence.config import EngineOptions
+from cadence.engine.builder import assemble_engine
 from cadence.kernels.quant_matmul import quant_matmul
 from cadence.models import quantized
 from cadence.models.gguf_loader import load_gguf_model, read_gguf
@@ -158,9 +163,10 @@ def test_parts_of_different_types_concatenate():
 
 
 def test_unsupported_quant_type_names_itself_and_the_supported_list():
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q5_K.*Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
-        keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q5_K, "gguf")
-    assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q5_K, "auto")
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q3_K.*"
+                                         r"Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+        keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q3_K, "gguf")
+    assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q3_K, "auto")
     assert keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q6_K, "gguf")
     assert not keeps_quantized("blk.0.ffn_up.weight", GGMLType.Q4_1, "none")
     assert not keeps_quantized("blk.0.attn_norm.weight", GGMLType.F32, "gguf")
@@ -168,12 +174,24 @@ def test_unsupported_quant_type_names_itself_and_the_supported_list():
         keeps_quantized("x", GGMLType.Q4_1, "int4")
 
 
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory):
-    """A tiny llama GGUF whose tensors take every type (TYPES: q Q4_0, k Q8_0, v Q4_K, ...)."""
+# Each file's types (``test_gguf_loading``) and the parts they make once loaded: a
+# type with a kernel is kept in blocks, one without is a float part (None).
+FILES = {
+    "4-bit": (TYPES, {"qkv": [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K], "gate_up": None,
+                      "down": [GGMLType.Q6_K], "lm_head": [GGMLType.Q6_K], "embed": GGMLType.Q8_0}),
+    "5-bit": (TYPES_5_BIT, {"qkv": [GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K], "gate_up": None, "down": None,
+                            "lm_head": None, "embed": GGMLType.Q5_0}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def mixed_gguf(request, tmp_path_factory):
+    """(path, the model of its decoded weights, the parts expected) of a tiny llama GGUF
+    whose tensors take the types of ``FILES[request.param]``."""
+    types, parts = FILES[request.param]
     path = tmp_path_factory.mktemp("quantized") / "mixed.gguf"
-    decoded = write_gguf(path, CONFIG, random_checkpoint(CONFIG))
-    return str(path), direct_model(CONFIG, decoded)
+    decoded = write_gguf(path, CONFIG, random_checkpoint(CONFIG), types=types)
+    return str(path), direct_model(CONFIG, decoded), parts
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +207,16 @@ IDS = list(range(3, 40))
 
 @pytest.mark.parametrize("path", PATHS)
 def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_logits, path):
-    file, reference = mixed_gguf
+    file, reference, parts = mixed_gguf
     model, _ = load_gguf_model(*read_gguf(file), quantization="auto")
     model.use_quant_kernel(kernel_for(path))
-    qkv = model.model.layers[0].self_attn.qkv_proj.quantized
-    assert [p.ggml_type for p in qkv] == [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K]
-    assert model.model.embed_tokens.quantized.ggml_type == GGMLType.Q8_0
-    assert [p.ggml_type for p in model.model.layers[0].mlp.down_proj.quantized] == [GGMLType.Q6_K]
-    assert [p.ggml_type for p in model.lm_head.quantized] == [GGMLType.Q6_K]
-    assert model.model.layers[0].mlp.gate_up_proj.quantized is None  # F16 and BF16: a float weight
+    layer = model.model.layers[0]
+    linears = {"qkv": layer.self_attn.qkv_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,
+               "lm_head": model.lm_head}
+    for name, linear in linears.items():  # None: every shard dequantized, a float weight
+        kept = linear.quantized and [p.ggml_type for p in linear.quantized]
+        assert kept == parts[name], name
+    assert model.model.embed_tokens.quantized.ggml_type == parts["embed"]
     got = logits(model, IDS)
     # Every path rounds the activations alike, but a float32 sum taken in another
     # order can move a value across a rounding boundary: a step of 1/32767 of its
@@ -211,17 +230,24 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_lo
 
 
 def test_a_type_without_a_kernel_is_refused_naming_the_tensor(tmp_path):
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, CONFIG, random_checkpoint(CONFIG), types={**TYPES, "ffn_down": GGMLType.Q5_0})
-    with pytest.raises(ValueError, match=r"quantization gguf: GGUF tensor 'blk\.0\.ffn_down\.weight' has type Q5_0"):
+    path = tmp_path / "q3.gguf"
+    write_gguf(path, CONFIG, random_checkpoint(CONFIG), types={**TYPES, "ffn_down": GGMLType.Q3_K})
+    with pytest.raises(ValueError, match=r"quantization gguf: GGUF tensor 'blk\.0\.ffn_down\.weight' has type Q3_K"):
         load_gguf_model(*read_gguf(str(path)), quantization="gguf")
-    # auto keeps what it can and would dequantize the rest, which it cannot for this type either
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q5_0, which cadence cannot load"):
-        load_gguf_model(*read_gguf(str(path)), quantization="auto")
+    # auto keeps what it can and dequantizes the rest, and the start-up log says so
+    model, _ = load_gguf_model(*read_gguf(str(path)), quantization="auto")
+    assert model.model.layers[0].mlp.down_proj.quantized is None
+    assert model.model.layers[0].self_attn.o_proj.quantized[0].ggml_type == GGMLType.Q4_1
+    assert model.dequantized_at_load == {"Q3_K": CONFIG.num_hidden_layers}
+    log = io.StringIO()
+    options = EngineOptions.from_kwargs(device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=16)
+    assemble_engine(options, model, model.config, None, log=log)
+    assert "GGUF tensors dequantized to float32 at load (no quantized kernel computes their type): Q3_K x2" \
+        in log.getvalue()
 
 
 def test_none_keeps_every_weight_float(mixed_gguf):
-    file, reference = mixed_gguf
+    file, reference, _ = mixed_gguf
     model, _ = load_gguf_model(*read_gguf(file), quantization="none")
     assert model.quantized_weights() == []
     ids = list(range(3, 40))

@@ -28,9 +28,12 @@ from cadence.runner.model_runner import ModelRunner
 
 CONFIG = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=64, num_hidden_layers=2)
-# Each shard's type: q/k/v and gate/up mix types, so their projections have several parts.
-SHARD_TYPES = {"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_K", "o_proj": "Q4_1",
-               "gate_proj": "Q4_1", "up_proj": "Q4_K", "down_proj": "Q6_K"}
+# Each layer's shard types: q/k/v and gate/up mix types, so their projections have several
+# parts; between them the layers take every type with a kernel.
+SHARD_TYPES = ({"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_K", "o_proj": "Q4_1",
+                "gate_proj": "Q4_1", "up_proj": "Q4_K", "down_proj": "Q6_K"},
+               {"q_proj": "Q5_0", "k_proj": "Q5_1", "v_proj": "Q5_K", "o_proj": "Q5_0",
+                "gate_proj": "Q5_K", "up_proj": "Q6_K", "down_proj": "Q5_1"})
 CPU_PATHS = {"as-built": (), "portable-c": ("avx2",)}
 
 
@@ -43,12 +46,13 @@ def quantized_model(config, seed=0):
     """A random model of ``config`` whose layers' projections are random blocks of SHARD_TYPES."""
     model = random_model(config, seed=seed)
     rng = np.random.default_rng(seed)
-    for layer in model.model.layers:
+    for index, layer in enumerate(model.model.layers):
+        types = SHARD_TYPES[index % len(SHARD_TYPES)]
         attn, mlp = layer.self_attn, layer.mlp
         for linear, names in ((attn.qkv_proj, attn.qkv_proj.shard_names), (attn.o_proj, ("o_proj",)),
                               (mlp.gate_up_proj, mlp.gate_up_proj.shard_names), (mlp.down_proj, ("down_proj",))):
             sizes = getattr(linear, "shard_sizes", (linear.out_features,))
-            linear.keep_quantized([random_part(SHARD_TYPES[name], rows, linear.in_features, rng)
+            linear.keep_quantized([random_part(types[name], rows, linear.in_features, rng)
                                    for name, rows in zip(names, sizes)])
     return model
 

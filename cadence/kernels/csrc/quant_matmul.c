@@ -1,7 +1,8 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1; one eighth of a 256-value Q4_K or Q6_K super-block). x is first
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; one eighth of a 256-value Q4_K, Q5_K or Q6_K
+ * super-block). x is first
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
@@ -43,9 +44,12 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };
+enum {
+    TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8,
+    TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14
+};
 /* Types whose values come in 256-value super-blocks. */
-#define SUPER_BLOCK_TYPE(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q6_K)
+#define SUPER_BLOCK_TYPE(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K)
 #define GROUP 32
 /* Multiply-adds below which a call stays on one thread. */
 #define PARALLEL_MIN_MACS (1 << 16)
@@ -88,6 +92,34 @@ static inline void decode_q4_1(const uint8_t *row, int64_t g, float *restrict ou
     }
 }
 
+/* Q5_0 block (32 values, 22 bytes): half d; 4 bytes qh, a little-endian 32-bit word
+ * whose bit i is bit 4 of value i; 16 bytes of nibbles as Q4_0. y = (q - 16) d.
+ * Q5_1 (24 bytes): half d, m, then qh and the nibbles; y = q d + m. */
+static inline uint32_t fifth_bits_word(const uint8_t *qh) {
+    uint32_t word;
+    memcpy(&word, qh, sizeof word);
+    return word;
+}
+
+static inline int q5_value(const uint8_t *q, uint32_t fifth_bits, int i) {
+    const int nibble = i < GROUP / 2 ? q[i] & 15 : q[i - GROUP / 2] >> 4;
+    return nibble | (int)((fifth_bits >> i) & 1) << 4;
+}
+
+static inline void decode_q5_0(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + g * 22;
+    const float d = f16_at(block);
+    const uint32_t fifth_bits = fifth_bits_word(block + 2);
+    for (int i = 0; i < GROUP; ++i) out[i] = (float)(q5_value(block + 6, fifth_bits, i) - 16) * d;
+}
+
+static inline void decode_q5_1(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + g * 24;
+    const float d = f16_at(block), m = f16_at(block + 2);
+    const uint32_t fifth_bits = fifth_bits_word(block + 4);
+    for (int i = 0; i < GROUP; ++i) out[i] = (float)q5_value(block + 8, fifth_bits, i) * d + m;
+}
+
 /* Q4_K super-block (256 values, 144 bytes): half d, dmin; 12 bytes holding eight
  * 6-bit scales and eight 6-bit mins; 128 bytes of nibbles. Sub-block j (32 values)
  * is y = d*scale_j*q - dmin*min_j, its nibbles the low (j even) or high (j odd)
@@ -111,6 +143,21 @@ static inline void decode_q4_k(const uint8_t *row, int64_t g, float *restrict ou
     const uint8_t *q = block + 16 + 32 * (j / 2);
     const int shift = (j & 1) * 4;
     for (int i = 0; i < GROUP; ++i) out[i] = (float)((q[i] >> shift) & 15) * d - offset;
+}
+
+/* Q5_K super-block (256 values, 176 bytes): Q4_K's d, dmin and packed scales, then
+ * 32 bytes qh, then Q4_K's 128 bytes of nibbles. Bit j of qh[l] is bit 4 of value l
+ * of sub-block j. */
+static inline void decode_q5_k(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + (g / 8) * 176;
+    const int j = (int)(g % 8);
+    int scale, min;
+    q4_k_scale_min(block + 4, j, &scale, &min);
+    const float d = f16_at(block) * (float)scale, offset = f16_at(block + 2) * (float)min;
+    const uint8_t *qh = block + 16, *q = block + 48 + 32 * (j / 2);
+    const int shift = (j & 1) * 4;
+    for (int i = 0; i < GROUP; ++i)
+        out[i] = (float)(((q[i] >> shift) & 15) | ((qh[i] >> j) & 1) << 4) * d - offset;
 }
 
 /* Q6_K super-block (256 values, 210 bytes): 128 bytes of low nibbles (ql), 64
@@ -148,7 +195,10 @@ static int64_t row_bytes(int type, int64_t k) {
     case TYPE_Q8_0: return k / 32 * 34;
     case TYPE_Q4_0: return k / 32 * 18;
     case TYPE_Q4_1: return k / 32 * 20;
+    case TYPE_Q5_0: return k / 32 * 22;
+    case TYPE_Q5_1: return k / 32 * 24;
     case TYPE_Q4_K: return k / 256 * 144;
+    case TYPE_Q5_K: return k / 256 * 176;
     case TYPE_Q6_K: return k / 256 * 210;
     default: return -1;
     }
@@ -184,6 +234,23 @@ static inline __m256i split_nibbles(const uint8_t *q) {
     return _mm256_set_m128i(high, low);
 }
 
+/* A Q5_0 / Q5_1 group's fifth bits as bytes: byte i is 16 where bit i of the word is set. */
+static inline __m256i fifth_bit_bytes(const uint8_t *qh) {
+    /* byte i takes byte i / 8 of the word, then keeps only its bit i % 8 */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)fifth_bits_word(qh)),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+/* Bit j of each of a Q5_K block's 32 qh bytes, moved to bit 4. */
+static inline __m256i q5_k_fifth_bytes(const uint8_t *qh, int j) {
+    const __m256i bits = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), j),
+                                          _mm256_set1_epi8(1));
+    return _mm256_slli_epi16(bits, 4); /* bytes of 0 or 1: nothing crosses into the next byte */
+}
+
 static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __m256 v[4]) {
     switch (type) {
     case TYPE_Q8_0: {
@@ -202,14 +269,29 @@ static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __
         scale_bytes(split_nibbles(block + 4), 0, f16_at(block), f16_at(block + 2), v);
         break;
     }
-    case TYPE_Q4_K: {
-        const uint8_t *block = row + (g / 8) * 144;
+    case TYPE_Q5_0: {
+        const uint8_t *block = row + g * 22;
+        const __m256i values = _mm256_or_si256(split_nibbles(block + 6), fifth_bit_bytes(block + 2));
+        scale_bytes(_mm256_sub_epi8(values, _mm256_set1_epi8(16)), 1, f16_at(block), 0.0f, v);
+        break;
+    }
+    case TYPE_Q5_1: {
+        const uint8_t *block = row + g * 24;
+        const __m256i values = _mm256_or_si256(split_nibbles(block + 8), fifth_bit_bytes(block + 4));
+        scale_bytes(values, 0, f16_at(block), f16_at(block + 2), v);
+        break;
+    }
+    case TYPE_Q4_K:
+    case TYPE_Q5_K: {
+        const int five_bits = type == TYPE_Q5_K;
+        const uint8_t *block = row + (g / 8) * (five_bits ? 176 : 144);
         const int j = (int)(g % 8);
         int scale, min;
         q4_k_scale_min(block + 4, j, &scale, &min);
-        const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * (j / 2)));
-        const __m256i nibbles = _mm256_and_si256(_mm256_srli_epi16(packed, (j & 1) * 4), _mm256_set1_epi8(15));
-        scale_bytes(nibbles, 0, f16_at(block) * (float)scale, -f16_at(block + 2) * (float)min, v);
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + (five_bits ? 48 : 16) + 32 * (j / 2)));
+        __m256i values = _mm256_and_si256(_mm256_srli_epi16(packed, (j & 1) * 4), _mm256_set1_epi8(15));
+        if (five_bits) values = _mm256_or_si256(values, q5_k_fifth_bytes(block + 16, j));
+        scale_bytes(values, 0, f16_at(block) * (float)scale, -f16_at(block + 2) * (float)min, v);
         break;
     }
     case TYPE_Q6_K: { /* values 0..15 and 16..31 have a scale each */
@@ -240,7 +322,10 @@ static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict 
     case TYPE_Q8_0: for (int64_t g = 0; g < groups; ++g) decode_q8_0(row, g, out + g * GROUP); break;
     case TYPE_Q4_0: for (int64_t g = 0; g < groups; ++g) decode_q4_0(row, g, out + g * GROUP); break;
     case TYPE_Q4_1: for (int64_t g = 0; g < groups; ++g) decode_q4_1(row, g, out + g * GROUP); break;
+    case TYPE_Q5_0: for (int64_t g = 0; g < groups; ++g) decode_q5_0(row, g, out + g * GROUP); break;
+    case TYPE_Q5_1: for (int64_t g = 0; g < groups; ++g) decode_q5_1(row, g, out + g * GROUP); break;
     case TYPE_Q4_K: for (int64_t g = 0; g < groups; ++g) decode_q4_k(row, g, out + g * GROUP); break;
+    case TYPE_Q5_K: for (int64_t g = 0; g < groups; ++g) decode_q5_k(row, g, out + g * GROUP); break;
     case TYPE_Q6_K: for (int64_t g = 0; g < groups; ++g) decode_q6_k(row, g, out + g * GROUP); break;
     }
 }
@@ -456,6 +541,14 @@ int quant_round_activations(const float *x, int64_t m, int64_t k, float *out) {
  * of the group, so the group adds a * d * sum(u q) + b * d * sum(q). About
  * half the instructions of decoding the group to float32. */
 
+/* 16 bits as 16-bit lanes: lane i is 16 where bit i is set. */
+static inline __m256i fifth_bit_words(uint16_t bits) {
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          (short)0x8000);
+    return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)bits), bit), bit),
+                            _mm256_set1_epi16(16));
+}
+
 /* Group g of a weight row as 16-bit integers u (values 0..15 in lo, 16..31 in hi);
  * the group's weights are a * u + b (``group_scales``, ``super_block_scales``). */
 static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256i *lo, __m256i *hi) {
@@ -475,8 +568,17 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
         *hi = _mm256_srli_epi16(bytes, 4);
         return;
     }
+    case TYPE_Q5_0:
+    case TYPE_Q5_1: { /* as Q4_0, plus the fifth bits of values 0..15 and 16..31 */
+        const uint8_t *qh = row + g * (type == TYPE_Q5_0 ? 22 : 24) + (type == TYPE_Q5_0 ? 2 : 4);
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qh + 4)));
+        const uint32_t fifth_bits = fifth_bits_word(qh);
+        *lo = _mm256_or_si256(_mm256_and_si256(bytes, low_nibble), fifth_bit_words((uint16_t)fifth_bits));
+        *hi = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), fifth_bit_words((uint16_t)(fifth_bits >> 16)));
+        return;
+    }
     default: { /* TYPE_Q6_K, each half's scale folded into its integers: |scale * q| <= 4096
-                * (Q4_K's groups come in pairs: q4_k_pair_values) */
+                * (Q4_K's and Q5_K's groups come in pairs: k_pair_values) */
         const Q6kGroup q = q6_k_group(row, g);
         const __m256i values = q6_k_bytes(&q);
         *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), _mm256_set1_epi16(q.scales[0]));
@@ -487,25 +589,39 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
     }
 }
 
-/* Groups j and j + 1 (j even) of a Q4_K super-block, which share their 32 bytes:
- * j in the low nibbles, j + 1 in the high ones. Each byte is widened once. */
-static inline void q4_k_pair_values(const uint8_t *block, int j, __m256i values[4]) {
-    const uint8_t *q = block + 16 + 32 * (j / 2);
+/* Groups j and j + 1 (j even) of a Q4_K or Q5_K super-block, which share their 32
+ * bytes of nibbles: j in the low nibbles, j + 1 in the high ones (values[0..1] and
+ * [2..3]). Each byte is widened once; Q5_K's fifth bits are bits j, j + 1 of qh. */
+static inline void k_pair_values(int type, const uint8_t *block, int j, __m256i values[4]) {
+    const uint8_t *q = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
     const __m256i low_nibble = _mm256_set1_epi16(15);
     const __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
     const __m256i second = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
     values[0] = _mm256_and_si256(first, low_nibble), values[1] = _mm256_and_si256(second, low_nibble);
     values[2] = _mm256_srli_epi16(first, 4), values[3] = _mm256_srli_epi16(second, 4);
+    if (type != TYPE_Q5_K) return;
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m256i high[2] = {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + 16))),
+                             _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + 32)))};
+    for (int i = 0; i < 4; ++i) {
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high[i & 1], j + i / 2), one);
+        values[i] = _mm256_or_si256(values[i], _mm256_slli_epi16(bit, 4));
+    }
 }
 
-/* a and b of group g of a Q8_0, Q4_0 or Q4_1 row. */
+/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 row. */
 static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float *b) {
-    const uint8_t *block = row + g * (type == TYPE_Q8_0 ? 34 : (type == TYPE_Q4_0 ? 18 : 20));
+    const uint8_t *block = row + g * row_bytes(type, GROUP);
     *a = f16_at(block);
-    *b = type == TYPE_Q8_0 ? 0.0f : (type == TYPE_Q4_0 ? -8.0f * *a : f16_at(block + 2));
+    switch (type) {
+    case TYPE_Q8_0: *b = 0.0f; break;
+    case TYPE_Q4_0: *b = -8.0f * *a; break;
+    case TYPE_Q5_0: *b = -16.0f * *a; break;
+    default: *b = f16_at(block + 2); break; /* Q4_1, Q5_1 */
+    }
 }
 
-/* a and b of the eight groups of a Q4_K or Q6_K super-block, unpacked once for all of them. */
+/* a and b of the eight groups of a Q4_K, Q5_K or Q6_K super-block, unpacked once for all of them. */
 static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[8]) {
     if (type == TYPE_Q6_K) { /* the int8 scales are in the integers (weight_values) */
         const float d = f16_at(block + 208);
@@ -573,14 +689,14 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
     int64_t g = 0;
     __m256i v[4];
     if (SUPER_BLOCK_TYPE(type)) { /* groups come in eights, their scales unpacked together */
-        const int64_t block_bytes = type == TYPE_Q4_K ? 144 : 210;
+        const int64_t block_bytes = row_bytes(type, 256);
         for (; g < groups; g += 8) {
             const uint8_t *block = row + (g / 8) * block_bytes;
             float a[8], b[8];
             super_block_scales(type, block, a, b);
             for (int j = 0; j < 8; j += 2) {
-                if (type == TYPE_Q4_K) {
-                    q4_k_pair_values(block, j, v);
+                if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+                    k_pair_values(type, block, j, v);
                 } else {
                     weight_values(type, row, g + j, &v[0], &v[1]);
                     weight_values(type, row, g + j + 1, &v[2], &v[3]);
@@ -627,6 +743,9 @@ static void direct_row(int type, const uint8_t *row, int64_t groups, const Round
     case TYPE_Q8_0: DIRECT_BY_ROWS(TYPE_Q8_0); break;
     case TYPE_Q4_0: DIRECT_BY_ROWS(TYPE_Q4_0); break;
     case TYPE_Q4_1: DIRECT_BY_ROWS(TYPE_Q4_1); break;
+    case TYPE_Q5_0: DIRECT_BY_ROWS(TYPE_Q5_0); break;
+    case TYPE_Q5_1: DIRECT_BY_ROWS(TYPE_Q5_1); break;
+    case TYPE_Q5_K: DIRECT_BY_ROWS(TYPE_Q5_K); break;
     case TYPE_Q6_K: DIRECT_BY_ROWS(TYPE_Q6_K); break;
     default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
     }
