@@ -8,7 +8,7 @@ import pytest
 
 from cadence.sim.replicas import ReplicaFleet, compare_routing
 from cadence.sim.simulator import Simulator, SimulationStalled
-from cadence.sim.workload import SyntheticWorkload
+from cadence.sim.workload import RequestSpec, SyntheticWorkload
 from tests.sim.sim_helpers import LinearCost, configs, specs_at
 
 
@@ -55,7 +55,21 @@ def test_cache_aware_routing_beats_round_robin_on_shared_prefixes():
     assert sum(results["cache_aware"][1]) == 400
 
 
-def test_a_request_no_replica_can_hold_stalls_the_run_with_a_clear_error():
-    scheduler, cache = configs(num_gpu_blocks=4)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_no_replica_can_hold_stalls_the_run_with_a_clear_error(async_scheduling):
+    scheduler, cache = configs(num_gpu_blocks=4, async_scheduling=async_scheduling)
     with pytest.raises(SimulationStalled, match="can never be scheduled"):
         ReplicaFleet(2, "least_loaded", scheduler, cache, LinearCost()).run(specs_at([0.0], prompt=500))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_stuck_request_behind_finished_ones_stalls_and_does_not_spin(async_scheduling):
+    """One replica: the first request finishes, the second can never fit and holds the
+    FCFS queue (the third waits behind it). With async scheduling an empty step used
+    to stay in flight forever, so the run looked busy and never ended."""
+    scheduler, cache = configs(num_gpu_blocks=8, async_scheduling=async_scheduling)
+    specs = [RequestSpec(0.0, 40, 8), RequestSpec(0.001, 500, 4), RequestSpec(0.002, 40, 30)]
+    fleet = ReplicaFleet(1, "round_robin", scheduler, cache, LinearCost())
+    with pytest.raises(SimulationStalled, match="2 requests can never be scheduled"):
+        fleet.run(specs)
+    assert not fleet.replicas[0].core.in_flight
