@@ -72,7 +72,7 @@ def run_child(mode: str, job: dict) -> dict:
     torch.set_num_threads(NUM_THREADS)
     prompts, max_tokens = job["prompt_ids"], job["max_tokens"]
     start = time.perf_counter()
-    llm = LLM(dtype="float32", quantization=mode, num_threads=NUM_THREADS, max_num_seqs=len(prompts),
+    llm = LLM(model=job["model"], dtype="float32", quantization=mode, num_threads=NUM_THREADS, max_num_seqs=len(prompts),
               max_num_batched_tokens=job["max_num_batched_tokens"], num_gpu_blocks=_kv_blocks(prompts, max_tokens),
               enable_prefix_caching=False, kv_cache_dtype=job["kv_cache_dtype"])
     load_s, rss_loaded = time.perf_counter() - start, _rss_mib()
@@ -173,7 +173,8 @@ def llamacpp_figures(path: str, num_prompts: int) -> dict:
 
 
 def print_report(columns: dict[str, dict], header: dict, args: argparse.Namespace) -> None:
-    print(f"# default model quantized vs dequantized: {header['workload']} v{header['version']}, "
+    print(f"# default model quantized vs dequantized ({Path(args.model).name if args.model else 'Q4_1'}): "
+          f"{header['workload']} v{header['version']}, "
           f"{header['num_prompts']} prompts x {header['max_tokens']} tokens, {NUM_THREADS} threads, float32, "
           f"KV cache {args.kv_cache_dtype}, steps of at most {args.max_num_batched_tokens} tokens")
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
@@ -237,6 +238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma list of the quantization modes to run (default {','.join(MODES)})")
     parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    parser.add_argument("--model", metavar="GGUF",
+                        help="another GGUF of the default model (a llama.cpp preset of it: same tokenizer, "
+                             "same prompt ids; default: the embedded Q4_1 file)")
     parser.add_argument("--verbose", action="store_true", help="show the children's stderr")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     num_prompts, max_tokens = (QUICK["num_prompts"], QUICK["max_tokens"]) if args.quick else (64, MAX_TOKENS)
     if args.quick:
         args.single_prompts = QUICK["single_prompts"]
-    job = {"prompt_ids": workload_prompt_ids(default_model_path(), num_prompts), "max_tokens": max_tokens,
+    job = {"model": args.model, "prompt_ids": workload_prompt_ids(args.model or default_model_path(), num_prompts),
+           "max_tokens": max_tokens,
            "single_prompts": args.single_prompts, "kv_cache_dtype": args.kv_cache_dtype,
            "max_num_batched_tokens": args.max_num_batched_tokens}
     header = make_header(num_prompts, max_tokens)

@@ -3,8 +3,8 @@
 The block formats are decoded by ``gguf.quants`` (llama.cpp's own Python
 package): every type a llama.cpp quantization preset writes, so any GGUF
 from ``llama-quantize`` loads (Q4_K_M files mix Q4_K, Q6_K and, in matrices
-whose rows are not a multiple of 256, Q5_0; Q3_K and Q2_K presets fall back
-to IQ4_NL). ``tests/models/test_gguf_dequant.py`` checks the types with a
+whose rows are not a multiple of 256, Q5_0; IQ4_XS presets fall back to
+IQ4_NL). ``tests/models/test_gguf_dequant.py`` checks the types with a
 quantized kernel against block layouts written out independently from
 ggml's definitions. Float formats are reinterpreted directly in torch.
 """

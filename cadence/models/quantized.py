@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 # dequantize others. gguf: keep them, refuse a quantized type without a kernel.
 QUANTIZATION_MODES = ("auto", "gguf", "none")
 KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_K,
-                GGMLType.Q5_K, GGMLType.Q6_K)
+                GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,7 +271,30 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales) * values.reshape(-1, 2, 4, 2, 16)).reshape(-1, 256)  # (d * scale) * q, as ggml
 
 
+# ggml's 16 non-uniform levels of IQ4_NL and IQ4_XS
+_IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                           dtype=torch.float32)
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _IQ4_LEVELS[_nibbles(blocks[:, 2:]).long()]
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # half d; 16 bits scales_h; 4 bytes scales_l; 8 sub-blocks of 16 nibble bytes (as IQ4_NL's).
+    # Sub-block j's scale: nibble j of scales_l | bits 2j, 2j+1 of scales_h << 4, minus 32.
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [B, 1]
+    low = blocks[:, 4:8]
+    low = torch.stack([low & 15, low >> 4], dim=2).reshape(-1, 8).int()  # [B, 8]
+    scales = (low | ((high >> torch.arange(0, 16, 2)) & 3) << 4).float() - 32
+    d = _f16(blocks, 0) * scales  # [B, 8]
+    levels = _IQ4_LEVELS[_nibbles(blocks[:, 8:].reshape(-1, 16)).long()].reshape(-1, 8, 32)
+    return (d.unsqueeze(2) * levels).reshape(-1, 256)
+
+
 _DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0,
-             GGMLType.Q5_1: _q5_1, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k}
+             GGMLType.Q5_1: _q5_1, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
+             GGMLType.IQ4_NL: _iq4_nl, GGMLType.IQ4_XS: _iq4_xs}
 _BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q5_1: 24,
-                GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210}
+                GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_NL: 18,
+                GGMLType.IQ4_XS: 136}

@@ -13,9 +13,9 @@ import numpy as np
 QK = 32  # values per block of Q8_0 / Q4_0 / Q4_1
 QK_K = 256  # values per super-block of the K-quants
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176,
-               "Q6_K": 210}
+               "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
 BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK, "Q4_K": QK_K, "Q5_K": QK_K,
-                "Q6_K": QK_K}
+                "Q6_K": QK_K, "IQ4_NL": QK, "IQ4_XS": QK_K}
 
 
 def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -140,6 +140,38 @@ def _q5_k(block: np.ndarray) -> np.ndarray:
     return y
 
 
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+
+
+def _iq4_levels(qs: np.ndarray, d: np.float32) -> np.ndarray:
+    """16 bytes of nibbles: value j is level[low nibble of qs[j]], value j+16 the high one's."""
+    y = np.zeros(QK, dtype=np.float32)
+    for j in range(QK // 2):
+        y[j] = d * np.float32(IQ4_LEVELS[int(qs[j]) & 0x0F])
+        y[j + QK // 2] = d * np.float32(IQ4_LEVELS[int(qs[j]) >> 4])
+    return y
+
+
+def _iq4_nl(block: np.ndarray) -> np.ndarray:
+    # struct { half d; uint8 qs[16]; }  y = d * level[nibble]
+    return _iq4_levels(block[2:18], _f16(block[0:2]))
+
+
+def _iq4_xs(block: np.ndarray) -> np.ndarray:
+    # struct { half d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]; }
+    # sub-block ib (32 values, qs[16 ib ..]): 6-bit ls = low nibble pair | high bit pair << 4,
+    # dl = d * (ls - 32), y = dl * level[nibble]
+    d = _f16(block[0:2])
+    scales_h = int(block[2]) | int(block[3]) << 8
+    y = np.zeros(QK_K, dtype=np.float32)
+    for ib in range(QK_K // QK):
+        low = (int(block[4 + ib // 2]) >> (4 * (ib % 2))) & 0x0F
+        high = (scales_h >> (2 * ib)) & 3
+        dl = d * np.float32((low | high << 4) - 32)
+        y[QK * ib:QK * (ib + 1)] = _iq4_levels(block[8 + 16 * ib:8 + 16 * (ib + 1)], dl)
+    return y
+
+
 def _q6_k(block: np.ndarray) -> np.ndarray:
     # struct { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d; }
     # Two halves of 128 values; in each, value l + 32*k takes 4 low bits from ql
@@ -164,15 +196,14 @@ def _q6_k(block: np.ndarray) -> np.ndarray:
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-             "Q5_K": _q5_k, "Q6_K": _q6_k}
+             "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
 # Byte offsets of the fp16 scale fields in each block.
 _FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 # Types cadence loads by dequantizing them (no kernel, no decoder here): their block
 # sizes and fp16 fields, so random_blocks can write valid ones. ``gguf.quants`` decodes them.
-UNDECODED_BLOCKS = {"Q2_K": (QK_K, 84, (80, 82)), "Q3_K": (QK_K, 110, (108,)), "IQ4_NL": (QK, 18, (0,)),
-                    "IQ4_XS": (QK_K, 136, (0,))}
+UNDECODED_BLOCKS = {"Q2_K": (QK_K, 84, (80, 82)), "Q3_K": (QK_K, 110, (108,))}
 for _kind, (_values, _size, _fields) in UNDECODED_BLOCKS.items():
     BLOCK_VALUES[_kind], BLOCK_BYTES[_kind], _FP16_FIELDS[_kind] = _values, _size, _fields
 

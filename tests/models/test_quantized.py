@@ -164,7 +164,7 @@ def test_parts_of_different_types_concatenate():
 
 def test_unsupported_quant_type_names_itself_and_the_supported_list():
     with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q3_K.*"
-                                         r"Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+                                         r"Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
         keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q3_K, "gguf")
     assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q3_K, "auto")
     assert keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q6_K, "gguf")
@@ -179,8 +179,8 @@ def test_unsupported_quant_type_names_itself_and_the_supported_list():
 FILES = {
     "4-bit": (TYPES, {"qkv": [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K], "gate_up": None,
                       "down": [GGMLType.Q6_K], "lm_head": [GGMLType.Q6_K], "embed": GGMLType.Q8_0}),
-    "5-bit": (TYPES_5_BIT, {"qkv": [GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K], "gate_up": None, "down": None,
-                            "lm_head": None, "embed": GGMLType.Q5_0}),
+    "5-bit": (TYPES_5_BIT, {"qkv": [GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K], "gate_up": [None, GGMLType.IQ4_NL],
+                            "down": None, "lm_head": [GGMLType.IQ4_XS], "embed": GGMLType.Q5_0}),
 }
 
 
@@ -213,8 +213,8 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_lo
     layer = model.model.layers[0]
     linears = {"qkv": layer.self_attn.qkv_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,
                "lm_head": model.lm_head}
-    for name, linear in linears.items():  # None: every shard dequantized, a float weight
-        kept = linear.quantized and [p.ggml_type for p in linear.quantized]
+    for name, linear in linears.items():  # None: every shard dequantized, a float weight (or part)
+        kept = linear.quantized and [getattr(p, "ggml_type", None) for p in linear.quantized]
         assert kept == parts[name], name
     assert model.model.embed_tokens.quantized.ggml_type == parts["embed"]
     got = logits(model, IDS)

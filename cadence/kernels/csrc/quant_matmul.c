@@ -1,8 +1,8 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; one eighth of a 256-value Q4_K, Q5_K or Q6_K
- * super-block). x is first
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; one eighth of a 256-value Q4_K, Q5_K,
+ * Q6_K or IQ4_XS super-block). x is first
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
@@ -46,10 +46,15 @@
 /* ggml's type ids (GGMLQuantizationType). */
 enum {
     TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8,
-    TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14
+    TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
 };
 /* Types whose values come in 256-value super-blocks. */
-#define SUPER_BLOCK_TYPE(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K)
+#define SUPER_BLOCK_TYPE(type) \
+    ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K || (type) == TYPE_IQ4_XS)
+/* Types whose weights are a * q + b with b != 0 (the others: a * q). */
+#define OFFSET_TYPE(type)                                                                          \
+    ((type) == TYPE_Q4_0 || (type) == TYPE_Q4_1 || (type) == TYPE_Q5_0 || (type) == TYPE_Q5_1 || \
+     (type) == TYPE_Q4_K || (type) == TYPE_Q5_K)
 #define GROUP 32
 /* Multiply-adds below which a call stays on one thread. */
 #define PARALLEL_MIN_MACS (1 << 16)
@@ -160,6 +165,39 @@ static inline void decode_q5_k(const uint8_t *row, int64_t g, float *restrict ou
         out[i] = (float)(((q[i] >> shift) & 15) | ((qh[i] >> j) & 1) << 4) * d - offset;
 }
 
+/* IQ4_NL block (32 values, 18 bytes): half d; 16 bytes of nibbles as Q4_0, each an
+ * index into ggml's 16 non-uniform levels: y = d * IQ4_LEVELS[nibble].
+ * IQ4_XS super-block (256 values, 136 bytes): half d; 16 bits scales_h; 4 bytes
+ * scales_l; 128 bytes of nibbles, 16 per sub-block j (as an IQ4_NL block's). Sub-block
+ * j's 6-bit scale is nibble j of scales_l (low nibble first) | bits 2j, 2j+1 of
+ * scales_h << 4, and y = d * (scale - 32) * IQ4_LEVELS[nibble]. */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline float iq4_xs_scale(const uint8_t *block, int j) {
+    const int high = (int)((block[2] | block[3] << 8) >> (2 * j)) & 3;
+    const int low = (block[4 + j / 2] >> (4 * (j & 1))) & 15;
+    return f16_at(block) * (float)((low | high << 4) - 32);
+}
+
+/* The 32 values of 16 bytes of IQ4 nibbles (low nibbles first), times d. */
+static inline void decode_iq4_levels(const uint8_t *q, float d, float *restrict out) {
+    for (int i = 0; i < GROUP / 2; ++i) {
+        out[i] = d * (float)IQ4_LEVELS[q[i] & 15];
+        out[i + GROUP / 2] = d * (float)IQ4_LEVELS[q[i] >> 4];
+    }
+}
+
+static inline void decode_iq4_nl(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + g * 18;
+    decode_iq4_levels(block + 2, f16_at(block), out);
+}
+
+static inline void decode_iq4_xs(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + (g / 8) * 136;
+    const int j = (int)(g % 8);
+    decode_iq4_levels(block + 8 + 16 * j, iq4_xs_scale(block, j), out);
+}
+
 /* Q6_K super-block (256 values, 210 bytes): 128 bytes of low nibbles (ql), 64
  * bytes of high bit pairs (qh), 16 int8 scales (one per 16 values), half d last.
  * Sub-block j (32 values) lies in half n = j / 4 (ql + 64n, qh + 32n, scales +
@@ -199,6 +237,8 @@ static int64_t row_bytes(int type, int64_t k) {
     case TYPE_Q5_1: return k / 32 * 24;
     case TYPE_Q4_K: return k / 256 * 144;
     case TYPE_Q5_K: return k / 256 * 176;
+    case TYPE_IQ4_NL: return k / 32 * 18;
+    case TYPE_IQ4_XS: return k / 256 * 136;
     case TYPE_Q6_K: return k / 256 * 210;
     default: return -1;
     }
@@ -251,6 +291,12 @@ static inline __m256i q5_k_fifth_bytes(const uint8_t *qh, int j) {
     return _mm256_slli_epi16(bits, 4); /* bytes of 0 or 1: nothing crosses into the next byte */
 }
 
+/* 16 bytes of IQ4 nibbles -> their 32 levels as signed bytes (low nibbles first). */
+static inline __m256i iq4_level_bytes(const uint8_t *q) {
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+    return _mm256_shuffle_epi8(levels, split_nibbles(q)); /* split_nibbles: both lanes index one table */
+}
+
 static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __m256 v[4]) {
     switch (type) {
     case TYPE_Q8_0: {
@@ -294,6 +340,17 @@ static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __
         scale_bytes(values, 0, f16_at(block) * (float)scale, -f16_at(block + 2) * (float)min, v);
         break;
     }
+    case TYPE_IQ4_NL: {
+        const uint8_t *block = row + g * 18;
+        scale_bytes(iq4_level_bytes(block + 2), 1, f16_at(block), 0.0f, v);
+        break;
+    }
+    case TYPE_IQ4_XS: {
+        const uint8_t *block = row + (g / 8) * 136;
+        const int j = (int)(g % 8);
+        scale_bytes(iq4_level_bytes(block + 8 + 16 * j), 1, iq4_xs_scale(block, j), 0.0f, v);
+        break;
+    }
     case TYPE_Q6_K: { /* values 0..15 and 16..31 have a scale each */
         const Q6kGroup q = q6_k_group(row, g);
         const __m256i values = q6_k_bytes(&q);
@@ -326,6 +383,8 @@ static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict 
     case TYPE_Q5_1: for (int64_t g = 0; g < groups; ++g) decode_q5_1(row, g, out + g * GROUP); break;
     case TYPE_Q4_K: for (int64_t g = 0; g < groups; ++g) decode_q4_k(row, g, out + g * GROUP); break;
     case TYPE_Q5_K: for (int64_t g = 0; g < groups; ++g) decode_q5_k(row, g, out + g * GROUP); break;
+    case TYPE_IQ4_NL: for (int64_t g = 0; g < groups; ++g) decode_iq4_nl(row, g, out + g * GROUP); break;
+    case TYPE_IQ4_XS: for (int64_t g = 0; g < groups; ++g) decode_iq4_xs(row, g, out + g * GROUP); break;
     case TYPE_Q6_K: for (int64_t g = 0; g < groups; ++g) decode_q6_k(row, g, out + g * GROUP); break;
     }
 }
@@ -577,6 +636,15 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
         *hi = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), fifth_bit_words((uint16_t)(fifth_bits >> 16)));
         return;
     }
+    case TYPE_IQ4_NL:
+    case TYPE_IQ4_XS: { /* the nibbles' levels, looked up as bytes, widened with their sign */
+        const uint8_t *q = type == TYPE_IQ4_NL ? row + g * 18 + 2 : row + (g / 8) * 136 + 8 + 16 * (g % 8);
+        const __m128i levels = _mm_loadu_si128((const __m128i *)IQ4_LEVELS), mask = _mm_set1_epi8(15);
+        const __m128i packed = _mm_loadu_si128((const __m128i *)q);
+        *lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(levels, _mm_and_si128(packed, mask)));
+        *hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+        return;
+    }
     default: { /* TYPE_Q6_K, each half's scale folded into its integers: |scale * q| <= 4096
                 * (Q4_K's and Q5_K's groups come in pairs: k_pair_values) */
         const Q6kGroup q = q6_k_group(row, g);
@@ -609,20 +677,25 @@ static inline void k_pair_values(int type, const uint8_t *block, int j, __m256i 
     }
 }
 
-/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 row. */
+/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row. */
 static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float *b) {
     const uint8_t *block = row + g * row_bytes(type, GROUP);
     *a = f16_at(block);
     switch (type) {
-    case TYPE_Q8_0: *b = 0.0f; break;
+    case TYPE_Q8_0:
+    case TYPE_IQ4_NL: *b = 0.0f; break;
     case TYPE_Q4_0: *b = -8.0f * *a; break;
     case TYPE_Q5_0: *b = -16.0f * *a; break;
     default: *b = f16_at(block + 2); break; /* Q4_1, Q5_1 */
     }
 }
 
-/* a and b of the eight groups of a Q4_K, Q5_K or Q6_K super-block, unpacked once for all of them. */
+/* a and b of the eight groups of a Q4_K, Q5_K, Q6_K or IQ4_XS super-block, unpacked once for all of them. */
 static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[8]) {
+    if (type == TYPE_IQ4_XS) {
+        for (int j = 0; j < 8; ++j) a[j] = iq4_xs_scale(block, j), b[j] = 0.0f;
+        return;
+    }
     if (type == TYPE_Q6_K) { /* the int8 scales are in the integers (weight_values) */
         const float d = f16_at(block + 208);
         for (int j = 0; j < 8; ++j) a[j] = d, b[j] = 0.0f;
@@ -673,7 +746,7 @@ static inline __attribute__((always_inline)) void direct_group(int type, int R, 
         const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
                                               _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(av, _mm256_set1_ps(x->d[i])), acc[r]);
-        if (type != TYPE_Q8_0 && type != TYPE_Q6_K) /* the types with an offset b */
+        if (OFFSET_TYPE(type))
             offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
     }
 }
@@ -746,6 +819,8 @@ static void direct_row(int type, const uint8_t *row, int64_t groups, const Round
     case TYPE_Q5_0: DIRECT_BY_ROWS(TYPE_Q5_0); break;
     case TYPE_Q5_1: DIRECT_BY_ROWS(TYPE_Q5_1); break;
     case TYPE_Q5_K: DIRECT_BY_ROWS(TYPE_Q5_K); break;
+    case TYPE_IQ4_NL: DIRECT_BY_ROWS(TYPE_IQ4_NL); break;
+    case TYPE_IQ4_XS: DIRECT_BY_ROWS(TYPE_IQ4_XS); break;
     case TYPE_Q6_K: DIRECT_BY_ROWS(TYPE_Q6_K); break;
     default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
     }
