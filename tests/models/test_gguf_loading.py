@@ -33,8 +33,7 @@ TYPES = {
     "ffn_up": GGMLType.BF16, "ffn_down": GGMLType.Q6_K, "output": GGMLType.Q6_K,
     "attn_norm": GGMLType.F32, "ffn_norm": GGMLType.F32, "output_norm": GGMLType.F32,
 }
-# The 5-bit and IQ4 block types, and (gate, down) types that only dequantizing loads, as
-# llama.cpp's Q2_K and Q3_K presets write them.
+# The 5-bit, Q3_K and IQ4 block types, and a gate in Q2_K, which only dequantizing loads.
 TYPES_5_BIT = {
     **TYPES, "token_embd": GGMLType.Q5_0, "attn_q": GGMLType.Q5_0, "attn_k": GGMLType.Q5_1,
     "attn_v": GGMLType.Q5_K, "attn_output": GGMLType.Q5_1, "ffn_gate": GGMLType.Q2_K,

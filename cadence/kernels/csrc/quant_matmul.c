@@ -1,8 +1,8 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; one eighth of a 256-value Q4_K, Q5_K,
- * Q6_K or IQ4_XS super-block). x is first
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; one eighth of a 256-value Q3_K, Q4_K,
+ * Q5_K, Q6_K or IQ4_XS super-block). x is first
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
@@ -46,11 +46,14 @@
 /* ggml's type ids (GGMLQuantizationType). */
 enum {
     TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8,
-    TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
+    TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
 };
 /* Types whose values come in 256-value super-blocks. */
-#define SUPER_BLOCK_TYPE(type) \
-    ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K || (type) == TYPE_IQ4_XS)
+#define SUPER_BLOCK_TYPE(type)                                                                     \
+    ((type) == TYPE_Q3_K || (type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K || \
+     (type) == TYPE_IQ4_XS)
+/* Types whose 16-value halves of a group have a scale each (folded into the integers). */
+#define HALF_SCALED_TYPE(type) ((type) == TYPE_Q3_K || (type) == TYPE_Q6_K)
 /* Types whose weights are a * q + b with b != 0 (the others: a * q). */
 #define OFFSET_TYPE(type)                                                                          \
     ((type) == TYPE_Q4_0 || (type) == TYPE_Q4_1 || (type) == TYPE_Q5_0 || (type) == TYPE_Q5_1 || \
@@ -198,6 +201,32 @@ static inline void decode_iq4_xs(const uint8_t *row, int64_t g, float *restrict 
     decode_iq4_levels(block + 8 + 16 * j, iq4_xs_scale(block, j), out);
 }
 
+/* Q3_K super-block (256 values, 110 bytes): hmask[32], qs[64], 12 bytes of sixteen
+ * 6-bit scales (one per 16 values), half d last. Sub-block g (32 values) lies in
+ * half n = g / 4 (qs + 32n), quarter c = g % 4: value l is ((qs[32n + l] >> 2c) & 3),
+ * minus 4 unless bit g of hmask[l] is set, times d * (scale[2g + l / 16] - 32).
+ * Scale i: its low 4 bits are nibble i % 8 of bytes 0..7 (low nibbles for i < 8),
+ * its high 2 bits bits 2 (i / 4), 2 (i / 4) + 1 of byte 8 + i % 4. */
+static inline int q3_k_scale(const uint8_t *block, int i) {
+    const uint8_t *packed = block + 96;
+    const int low = (packed[i % 8] >> (4 * (i / 8))) & 15, high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (low | high << 4) - 32;
+}
+
+static inline int q3_k_value(const uint8_t *block, int g, int l) {
+    const int low = (block[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
+    return low - ((block[l] >> g) & 1 ? 0 : 4);
+}
+
+static inline void decode_q3_k(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + (g / 8) * 110;
+    const int j = (int)(g % 8);
+    const float d = f16_at(block + 108);
+    /* (d * scale) * value, as ggml multiplies them */
+    const float scaled[2] = {d * (float)q3_k_scale(block, 2 * j), d * (float)q3_k_scale(block, 2 * j + 1)};
+    for (int l = 0; l < GROUP; ++l) out[l] = scaled[l / 16] * (float)q3_k_value(block, j, l);
+}
+
 /* Q6_K super-block (256 values, 210 bytes): 128 bytes of low nibbles (ql), 64
  * bytes of high bit pairs (qh), 16 int8 scales (one per 16 values), half d last.
  * Sub-block j (32 values) lies in half n = j / 4 (ql + 64n, qh + 32n, scales +
@@ -235,6 +264,7 @@ static int64_t row_bytes(int type, int64_t k) {
     case TYPE_Q4_1: return k / 32 * 20;
     case TYPE_Q5_0: return k / 32 * 22;
     case TYPE_Q5_1: return k / 32 * 24;
+    case TYPE_Q3_K: return k / 256 * 110;
     case TYPE_Q4_K: return k / 256 * 144;
     case TYPE_Q5_K: return k / 256 * 176;
     case TYPE_IQ4_NL: return k / 32 * 18;
@@ -297,6 +327,16 @@ static inline __m256i iq4_level_bytes(const uint8_t *q) {
     return _mm256_shuffle_epi8(levels, split_nibbles(q)); /* split_nibbles: both lanes index one table */
 }
 
+/* A Q3_K sub-block's 32 values (each 2 bits, minus 4 where its hmask bit is clear) as signed bytes. */
+static inline __m256i q3_k_bytes(const uint8_t *block, int j) {
+    const __m256i low = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(block + 32 + 32 * (j / 4))), 2 * (j % 4)),
+        _mm256_set1_epi8(3));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)block), j),
+                                          _mm256_set1_epi8(1));
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), _mm256_set1_epi8(4));
+}
+
 static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __m256 v[4]) {
     switch (type) {
     case TYPE_Q8_0: {
@@ -351,6 +391,17 @@ static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __
         scale_bytes(iq4_level_bytes(block + 8 + 16 * j), 1, iq4_xs_scale(block, j), 0.0f, v);
         break;
     }
+    case TYPE_Q3_K: { /* values 0..15 and 16..31 have a scale each */
+        const uint8_t *block = row + (g / 8) * 110;
+        const int j = (int)(g % 8);
+        const __m256i values = q3_k_bytes(block, j);
+        const __m128i low = _mm256_castsi256_si128(values), high = _mm256_extracti128_si256(values, 1);
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        const float d = f16_at(block + 108);
+        for (int i = 0; i < 4; ++i)
+            v[i] = _mm256_mul_ps(_mm256_set1_ps(d * (float)q3_k_scale(block, 2 * j + i / 2)), bytes_to_floats(parts[i], 1));
+        break;
+    }
     case TYPE_Q6_K: { /* values 0..15 and 16..31 have a scale each */
         const Q6kGroup q = q6_k_group(row, g);
         const __m256i values = q6_k_bytes(&q);
@@ -381,6 +432,7 @@ static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict 
     case TYPE_Q4_1: for (int64_t g = 0; g < groups; ++g) decode_q4_1(row, g, out + g * GROUP); break;
     case TYPE_Q5_0: for (int64_t g = 0; g < groups; ++g) decode_q5_0(row, g, out + g * GROUP); break;
     case TYPE_Q5_1: for (int64_t g = 0; g < groups; ++g) decode_q5_1(row, g, out + g * GROUP); break;
+    case TYPE_Q3_K: for (int64_t g = 0; g < groups; ++g) decode_q3_k(row, g, out + g * GROUP); break;
     case TYPE_Q4_K: for (int64_t g = 0; g < groups; ++g) decode_q4_k(row, g, out + g * GROUP); break;
     case TYPE_Q5_K: for (int64_t g = 0; g < groups; ++g) decode_q5_k(row, g, out + g * GROUP); break;
     case TYPE_IQ4_NL: for (int64_t g = 0; g < groups; ++g) decode_iq4_nl(row, g, out + g * GROUP); break;
@@ -645,6 +697,16 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
         *hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
         return;
     }
+    case TYPE_Q3_K: { /* each half's scale folded into its integers: |scale * q| <= 128 */
+        const uint8_t *block = row + (g / 8) * 110;
+        const int j = (int)(g % 8);
+        const __m256i values = q3_k_bytes(block, j);
+        *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)),
+                                 _mm256_set1_epi16((short)q3_k_scale(block, 2 * j)));
+        *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
+                                 _mm256_set1_epi16((short)q3_k_scale(block, 2 * j + 1)));
+        return;
+    }
     default: { /* TYPE_Q6_K, each half's scale folded into its integers: |scale * q| <= 4096
                 * (Q4_K's and Q5_K's groups come in pairs: k_pair_values) */
         const Q6kGroup q = q6_k_group(row, g);
@@ -690,14 +752,14 @@ static inline void group_scales(int type, const uint8_t *row, int64_t g, float *
     }
 }
 
-/* a and b of the eight groups of a Q4_K, Q5_K, Q6_K or IQ4_XS super-block, unpacked once for all of them. */
+/* a and b of the eight groups of a Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-block, unpacked once for all of them. */
 static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[8]) {
     if (type == TYPE_IQ4_XS) {
         for (int j = 0; j < 8; ++j) a[j] = iq4_xs_scale(block, j), b[j] = 0.0f;
         return;
     }
-    if (type == TYPE_Q6_K) { /* the int8 scales are in the integers (weight_values) */
-        const float d = f16_at(block + 208);
+    if (HALF_SCALED_TYPE(type)) { /* the per-16 scales are in the integers (weight_values) */
+        const float d = f16_at(block + (type == TYPE_Q6_K ? 208 : 108));
         for (int j = 0; j < 8; ++j) a[j] = d, b[j] = 0.0f;
         return;
     }
@@ -821,6 +883,7 @@ static void direct_row(int type, const uint8_t *row, int64_t groups, const Round
     case TYPE_Q5_K: DIRECT_BY_ROWS(TYPE_Q5_K); break;
     case TYPE_IQ4_NL: DIRECT_BY_ROWS(TYPE_IQ4_NL); break;
     case TYPE_IQ4_XS: DIRECT_BY_ROWS(TYPE_IQ4_XS); break;
+    case TYPE_Q3_K: DIRECT_BY_ROWS(TYPE_Q3_K); break;
     case TYPE_Q6_K: DIRECT_BY_ROWS(TYPE_Q6_K); break;
     default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
     }
