@@ -455,9 +455,9 @@ class EngineConfig:
     )
     quantization: str = option(
         "auto",
-        "GGUF weights: auto (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS "
-        "matmul weights stay in their blocks on the CPU where the C kernel builds; other types "
-        "(Q2_K, Q3_K, IQ1-IQ3, ...), and every weight elsewhere, dequantized at load), gguf "
+        "GGUF weights: auto (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL "
+        "and IQ4_XS matmul weights stay in their blocks on the CPU where the C kernel builds; "
+        "other types (IQ1-IQ3, TQ, MXFP4), and every weight elsewhere, dequantized at load), gguf "
         "(those types always kept, "
         "in PyTorch without the C kernel; other quantized types refused), none (every weight "
         "dequantized to dtype at load).",

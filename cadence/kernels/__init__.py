@@ -8,8 +8,8 @@
     fused_ops.py          ``fused_ops(march)`` -> the decoder layer's elementwise steps
                           (add + RMSNorm, rotary, SiLU-mul)
     quant_matmul.py       ``quant_matmul(march)`` -> ``x @ W^T`` with W kept in GGUF blocks
-                          (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K,
-                          IQ4_NL, IQ4_XS), and embedding rows decoded
+                          (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+                          Q6_K, IQ4_NL, IQ4_XS), and embedding rows decoded
 
 Which of them a model runs is decided in ``cadence.runner.cpu_paths`` from
 the CPU's probed features; nothing here assumes a CPU.

@@ -1,7 +1,7 @@
 """Matmuls on GGUF's quantized blocks in C, for the CPU (``cadence/kernels/csrc/quant_matmul.c``).
 
-``x [M, K] @ W^T`` with W kept as ggml blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K,
-IQ4_NL, IQ4_XS) and x
+``x [M, K] @ W^T`` with W kept as ggml blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K, IQ4_NL, IQ4_XS) and x
 rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
 rounds its activations to int8; these steps are 256 times finer;
 ``round_activations`` shows the values). A decode step's few rows multiply
@@ -30,7 +30,7 @@ from cadence.kernels import build
 
 # ggml type id -> (name, values per block, bytes per block)
 KERNEL_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-                7: ("Q5_1", 32, 24), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+                7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
                 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)}
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {

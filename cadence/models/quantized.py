@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 # none: dequantize every GGUF at load. auto: keep the types below quantized,
 # dequantize others. gguf: keep them, refuse a quantized type without a kernel.
 QUANTIZATION_MODES = ("auto", "gguf", "none")
-KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q3_K,
-                GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS)
+KERNEL_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q2_K,
+                GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -257,6 +257,17 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(2) * values - dmin.unsqueeze(2)).reshape(-1, 256)
 
 
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    # 16 scale bytes (4-bit scale, 4-bit min: one per 16 values), qs [64], half d, dmin. Half n
+    # (128 values) takes qs[32n ..]: value l of quarter c is (qs[32n + l] >> 2c) & 3.
+    qs = blocks[:, 16:80].reshape(-1, 2, 1, 32)  # [B, half, 1, l]
+    values = torch.cat([(qs >> (2 * c)) & 3 for c in range(4)], dim=2).reshape(-1, 16, 16).float()
+    scales = blocks[:, :16]
+    d = _f16(blocks, 80) * (scales & 15).float()  # [B, 16]
+    dmin = _f16(blocks, 82) * (scales >> 4).float()
+    return (d.unsqueeze(2) * values - dmin.unsqueeze(2)).reshape(-1, 256)
+
+
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     # hmask [32], qs [64], 12 bytes of sixteen 6-bit scales, half d. Half n (128 values) takes
     # qs[32n ..]: value l of quarter c is (qs[32n + l] >> 2c) & 3, minus 4 unless bit 4n + c of
@@ -310,8 +321,8 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _DECODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0,
-             GGMLType.Q5_1: _q5_1, GGMLType.Q3_K: _q3_k, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
+             GGMLType.Q5_1: _q5_1, GGMLType.Q2_K: _q2_k, GGMLType.Q3_K: _q3_k, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
              GGMLType.IQ4_NL: _iq4_nl, GGMLType.IQ4_XS: _iq4_xs}
 _BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q5_1: 24,
-                GGMLType.Q3_K: 110, GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_NL: 18,
+                GGMLType.Q2_K: 84, GGMLType.Q3_K: 110, GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.IQ4_NL: 18,
                 GGMLType.IQ4_XS: 136}

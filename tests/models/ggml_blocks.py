@@ -12,10 +12,10 @@ import numpy as np
 
 QK = 32  # values per block of Q8_0 / Q4_0 / Q4_1
 QK_K = 256  # values per super-block of the K-quants
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q3_K": 110, "Q4_K": 144,
-               "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
-BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK, "Q3_K": QK_K, "Q4_K": QK_K,
-                "Q5_K": QK_K, "Q6_K": QK_K, "IQ4_NL": QK, "IQ4_XS": QK_K}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84, "Q3_K": 110,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
+BLOCK_VALUES = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK, "Q2_K": QK_K, "Q3_K": QK_K,
+                "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K, "IQ4_NL": QK, "IQ4_XS": QK_K}
 
 
 def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -124,6 +124,26 @@ def _q4_k(block: np.ndarray) -> np.ndarray:
     return y
 
 
+def _q2_k(block: np.ndarray) -> np.ndarray:
+    # struct { uint8 scales[16]; uint8 qs[64]; half d; half dmin; }
+    # 16 runs of 16 values, in the order of the loops below; run `is` takes scale byte is:
+    # y = d * (sc & 15) * q - dmin * (sc >> 4)
+    d, dmin = _f16(block[80:82]), _f16(block[82:84])
+    y = np.zeros(QK_K, dtype=np.float32)
+    out, scale_index = 0, 0
+    for half in range(2):
+        q = block[16 + 32 * half:48 + 32 * half]
+        for shift in (0, 2, 4, 6):
+            for start in (0, 16):
+                sc = int(block[scale_index])
+                scale_index += 1
+                dl, ml = d * np.float32(sc & 0x0F), dmin * np.float32(sc >> 4)
+                for l in range(start, start + 16):
+                    y[out] = dl * np.float32((int(q[l]) >> shift) & 3) - ml
+                    out += 1
+    return y
+
+
 def _q3_k(block: np.ndarray) -> np.ndarray:
     # struct { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; half d; }
     # The 12 scale bytes, read as three little-endian uint32 words a0, a1, tmp, unpack to
@@ -221,17 +241,19 @@ def _q6_k(block: np.ndarray) -> np.ndarray:
     return y
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q3_K": _q3_k,
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
+             "Q3_K": _q3_k,
              "Q4_K": _q4_k,
              "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
 # Byte offsets of the fp16 scale fields in each block.
-_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q3_K": (108,),
+_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                "Q3_K": (108,),
                 "Q4_K": (0, 2),
                 "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 # Types cadence loads by dequantizing them (no kernel, no decoder here): their block
 # sizes and fp16 fields, so random_blocks can write valid ones. ``gguf.quants`` decodes them.
-UNDECODED_BLOCKS = {"Q2_K": (QK_K, 84, (80, 82))}
+UNDECODED_BLOCKS = {"TQ2_0": (QK_K, 66, (64,))}
 for _kind, (_values, _size, _fields) in UNDECODED_BLOCKS.items():
     BLOCK_VALUES[_kind], BLOCK_BYTES[_kind], _FP16_FIELDS[_kind] = _values, _size, _fields
 

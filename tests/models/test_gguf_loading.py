@@ -33,10 +33,10 @@ TYPES = {
     "ffn_up": GGMLType.BF16, "ffn_down": GGMLType.Q6_K, "output": GGMLType.Q6_K,
     "attn_norm": GGMLType.F32, "ffn_norm": GGMLType.F32, "output_norm": GGMLType.F32,
 }
-# The 5-bit, Q3_K and IQ4 block types, and a gate in Q2_K, which only dequantizing loads.
+# The 5-bit, 2- and 3-bit K and IQ4 block types, and a gate in TQ2_0, which only dequantizing loads.
 TYPES_5_BIT = {
     **TYPES, "token_embd": GGMLType.Q5_0, "attn_q": GGMLType.Q5_0, "attn_k": GGMLType.Q5_1,
-    "attn_v": GGMLType.Q5_K, "attn_output": GGMLType.Q5_1, "ffn_gate": GGMLType.Q2_K,
+    "attn_v": GGMLType.Q5_K, "attn_output": GGMLType.Q2_K, "ffn_gate": GGMLType.TQ2_0,
     "ffn_up": GGMLType.IQ4_NL, "ffn_down": GGMLType.Q3_K, "output": GGMLType.IQ4_XS,
 }
 SUPPORTED_TYPE_NAMES = {t.name for t in SUPPORTED_TYPES}

@@ -163,10 +163,11 @@ def test_parts_of_different_types_concatenate():
 
 
 def test_unsupported_quant_type_names_itself_and_the_supported_list():
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q2_K.*"
-                                         r"Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
-        keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q2_K, "gguf")
-    assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q2_K, "auto")
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type IQ3_S.*"
+                                         r"Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, "
+                                         r"IQ4_XS"):
+        keeps_quantized("blk.0.ffn_down.weight", GGMLType.IQ3_S, "gguf")
+    assert not keeps_quantized("blk.0.ffn_down.weight", GGMLType.IQ3_S, "auto")
     assert keeps_quantized("blk.0.ffn_down.weight", GGMLType.Q6_K, "gguf")
     assert not keeps_quantized("blk.0.ffn_up.weight", GGMLType.Q4_1, "none")
     assert not keeps_quantized("blk.0.attn_norm.weight", GGMLType.F32, "gguf")
@@ -177,10 +178,11 @@ def test_unsupported_quant_type_names_itself_and_the_supported_list():
 # Each file's types (``test_gguf_loading``) and the parts they make once loaded: a
 # type with a kernel is kept in blocks, one without is a float part (None).
 FILES = {
-    "4-bit": (TYPES, {"qkv": [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K], "gate_up": None,
+    "4-bit": (TYPES, {"qkv": [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K], "o": [GGMLType.Q4_1], "gate_up": None,
                       "down": [GGMLType.Q6_K], "lm_head": [GGMLType.Q6_K], "embed": GGMLType.Q8_0}),
-    "5-bit": (TYPES_5_BIT, {"qkv": [GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K], "gate_up": [None, GGMLType.IQ4_NL],
-                            "down": [GGMLType.Q3_K], "lm_head": [GGMLType.IQ4_XS], "embed": GGMLType.Q5_0}),
+    "5-bit": (TYPES_5_BIT, {"qkv": [GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q5_K], "o": [GGMLType.Q2_K],
+                            "gate_up": [None, GGMLType.IQ4_NL], "down": [GGMLType.Q3_K],
+                            "lm_head": [GGMLType.IQ4_XS], "embed": GGMLType.Q5_0}),
 }
 
 
@@ -211,8 +213,8 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_lo
     model, _ = load_gguf_model(*read_gguf(file), quantization="auto")
     model.use_quant_kernel(kernel_for(path))
     layer = model.model.layers[0]
-    linears = {"qkv": layer.self_attn.qkv_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,
-               "lm_head": model.lm_head}
+    linears = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+               "down": layer.mlp.down_proj, "lm_head": model.lm_head}
     for name, linear in linears.items():  # None: every shard dequantized, a float weight (or part)
         kept = linear.quantized and [getattr(p, "ggml_type", None) for p in linear.quantized]
         assert kept == parts[name], name
@@ -230,19 +232,19 @@ def test_gguf_kept_quantized_gives_the_dequantized_logits(mixed_gguf, pytorch_lo
 
 
 def test_a_type_without_a_kernel_is_refused_naming_the_tensor(tmp_path):
-    path = tmp_path / "q2.gguf"
-    write_gguf(path, CONFIG, random_checkpoint(CONFIG), types={**TYPES, "ffn_down": GGMLType.Q2_K})
-    with pytest.raises(ValueError, match=r"quantization gguf: GGUF tensor 'blk\.0\.ffn_down\.weight' has type Q2_K"):
+    path = tmp_path / "tq2.gguf"
+    write_gguf(path, CONFIG, random_checkpoint(CONFIG), types={**TYPES, "ffn_down": GGMLType.TQ2_0})
+    with pytest.raises(ValueError, match=r"quantization gguf: GGUF tensor 'blk\.0\.ffn_down\.weight' has type TQ2_0"):
         load_gguf_model(*read_gguf(str(path)), quantization="gguf")
     # auto keeps what it can and dequantizes the rest, and the start-up log says so
     model, _ = load_gguf_model(*read_gguf(str(path)), quantization="auto")
     assert model.model.layers[0].mlp.down_proj.quantized is None
     assert model.model.layers[0].self_attn.o_proj.quantized[0].ggml_type == GGMLType.Q4_1
-    assert model.dequantized_at_load == {"Q2_K": CONFIG.num_hidden_layers}
+    assert model.dequantized_at_load == {"TQ2_0": CONFIG.num_hidden_layers}
     log = io.StringIO()
     options = EngineOptions.from_kwargs(device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=16)
     assemble_engine(options, model, model.config, None, log=log)
-    assert "GGUF tensors dequantized to float32 at load (no quantized kernel computes their type): Q2_K x2" \
+    assert "GGUF tensors dequantized to float32 at load (no quantized kernel computes their type): TQ2_0 x2" \
         in log.getvalue()
 
 

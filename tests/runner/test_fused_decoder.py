@@ -33,7 +33,7 @@ CONFIG = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads
 SHARD_TYPES = ({"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_K", "o_proj": "Q4_1",
                 "gate_proj": "Q4_1", "up_proj": "Q4_K", "down_proj": "Q6_K"},
                {"q_proj": "Q5_0", "k_proj": "Q5_1", "v_proj": "Q5_K", "o_proj": "IQ4_NL",
-                "gate_proj": "Q3_K", "up_proj": "IQ4_XS", "down_proj": "Q5_1"})
+                "gate_proj": "Q3_K", "up_proj": "IQ4_XS", "down_proj": "Q2_K"})
 CPU_PATHS = {"as-built": (), "portable-c": ("avx2",)}
 
 

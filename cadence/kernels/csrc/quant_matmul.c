@@ -1,8 +1,8 @@
 /* Matmuls on GGUF's quantized blocks: out[M, N] = x[M, K] @ W[N, K]^T, W kept in blocks.
  *
  * Each weight row is K values stored as K/32 groups of 32 (one block of
- * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; one eighth of a 256-value Q3_K, Q4_K,
- * Q5_K, Q6_K or IQ4_XS super-block). x is first
+ * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; one eighth of a 256-value Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K or IQ4_XS super-block). x is first
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
@@ -46,18 +46,18 @@
 /* ggml's type ids (GGMLQuantizationType). */
 enum {
     TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8,
-    TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
+    TYPE_Q2_K = 10, TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
 };
 /* Types whose values come in 256-value super-blocks. */
 #define SUPER_BLOCK_TYPE(type)                                                                     \
-    ((type) == TYPE_Q3_K || (type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K || \
-     (type) == TYPE_IQ4_XS)
+    ((type) == TYPE_Q2_K || (type) == TYPE_Q3_K || (type) == TYPE_Q4_K || (type) == TYPE_Q5_K ||  \
+     (type) == TYPE_Q6_K || (type) == TYPE_IQ4_XS)
 /* Types whose 16-value halves of a group have a scale each (folded into the integers). */
-#define HALF_SCALED_TYPE(type) ((type) == TYPE_Q3_K || (type) == TYPE_Q6_K)
+#define HALF_SCALED_TYPE(type) ((type) == TYPE_Q2_K || (type) == TYPE_Q3_K || (type) == TYPE_Q6_K)
 /* Types whose weights are a * q + b with b != 0 (the others: a * q). */
 #define OFFSET_TYPE(type)                                                                          \
     ((type) == TYPE_Q4_0 || (type) == TYPE_Q4_1 || (type) == TYPE_Q5_0 || (type) == TYPE_Q5_1 || \
-     (type) == TYPE_Q4_K || (type) == TYPE_Q5_K)
+     (type) == TYPE_Q2_K || (type) == TYPE_Q4_K || (type) == TYPE_Q5_K)
 #define GROUP 32
 /* Multiply-adds below which a call stays on one thread. */
 #define PARALLEL_MIN_MACS (1 << 16)
@@ -201,6 +201,25 @@ static inline void decode_iq4_xs(const uint8_t *row, int64_t g, float *restrict 
     decode_iq4_levels(block + 8 + 16 * j, iq4_xs_scale(block, j), out);
 }
 
+/* Q2_K super-block (256 values, 84 bytes): 16 bytes of scales (one per 16 values: a
+ * 4-bit scale in the low nibble, a 4-bit min in the high one), qs[64], half d, dmin.
+ * Sub-block g (32 values) lies in half n = g / 4 (qs + 32n), quarter c = g % 4: value
+ * l is (qs[32n + l] >> 2c) & 3, and y = d * scale * q - dmin * min with the scale
+ * byte 2g + l / 16. */
+static inline int q2_k_value(const uint8_t *block, int g, int l) {
+    return (block[16 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
+}
+
+static inline void decode_q2_k(const uint8_t *row, int64_t g, float *restrict out) {
+    const uint8_t *block = row + (g / 8) * 84;
+    const int j = (int)(g % 8);
+    const float d = f16_at(block + 80), dmin = f16_at(block + 82);
+    for (int l = 0; l < GROUP; ++l) {
+        const uint8_t scale = block[2 * j + l / 16];
+        out[l] = d * (float)(scale & 15) * (float)q2_k_value(block, j, l) - dmin * (float)(scale >> 4);
+    }
+}
+
 /* Q3_K super-block (256 values, 110 bytes): hmask[32], qs[64], 12 bytes of sixteen
  * 6-bit scales (one per 16 values), half d last. Sub-block g (32 values) lies in
  * half n = g / 4 (qs + 32n), quarter c = g % 4: value l is ((qs[32n + l] >> 2c) & 3),
@@ -264,6 +283,7 @@ static int64_t row_bytes(int type, int64_t k) {
     case TYPE_Q4_1: return k / 32 * 20;
     case TYPE_Q5_0: return k / 32 * 22;
     case TYPE_Q5_1: return k / 32 * 24;
+    case TYPE_Q2_K: return k / 256 * 84;
     case TYPE_Q3_K: return k / 256 * 110;
     case TYPE_Q4_K: return k / 256 * 144;
     case TYPE_Q5_K: return k / 256 * 176;
@@ -325,6 +345,12 @@ static inline __m256i q5_k_fifth_bytes(const uint8_t *qh, int j) {
 static inline __m256i iq4_level_bytes(const uint8_t *q) {
     const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
     return _mm256_shuffle_epi8(levels, split_nibbles(q)); /* split_nibbles: both lanes index one table */
+}
+
+/* A Q2_K sub-block's 32 values (0..3) as bytes. */
+static inline __m256i q2_k_bytes(const uint8_t *block, int j) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * (j / 4)));
+    return _mm256_and_si256(_mm256_srli_epi16(packed, 2 * (j % 4)), _mm256_set1_epi8(3));
 }
 
 /* A Q3_K sub-block's 32 values (each 2 bits, minus 4 where its hmask bit is clear) as signed bytes. */
@@ -391,6 +417,20 @@ static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __
         scale_bytes(iq4_level_bytes(block + 8 + 16 * j), 1, iq4_xs_scale(block, j), 0.0f, v);
         break;
     }
+    case TYPE_Q2_K: { /* values 0..15 and 16..31 have a scale and a min each */
+        const uint8_t *block = row + (g / 8) * 84;
+        const int j = (int)(g % 8);
+        const __m256i values = q2_k_bytes(block, j);
+        const __m128i low = _mm256_castsi256_si128(values), high = _mm256_extracti128_si256(values, 1);
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        const float d = f16_at(block + 80), dmin = f16_at(block + 82);
+        for (int i = 0; i < 4; ++i) {
+            const uint8_t scale = block[2 * j + i / 2];
+            v[i] = _mm256_fmadd_ps(bytes_to_floats(parts[i], 0), _mm256_set1_ps(d * (float)(scale & 15)),
+                                   _mm256_set1_ps(-dmin * (float)(scale >> 4)));
+        }
+        break;
+    }
     case TYPE_Q3_K: { /* values 0..15 and 16..31 have a scale each */
         const uint8_t *block = row + (g / 8) * 110;
         const int j = (int)(g % 8);
@@ -432,6 +472,7 @@ static void decode_row(int type, const uint8_t *row, int64_t k, float *restrict 
     case TYPE_Q4_1: for (int64_t g = 0; g < groups; ++g) decode_q4_1(row, g, out + g * GROUP); break;
     case TYPE_Q5_0: for (int64_t g = 0; g < groups; ++g) decode_q5_0(row, g, out + g * GROUP); break;
     case TYPE_Q5_1: for (int64_t g = 0; g < groups; ++g) decode_q5_1(row, g, out + g * GROUP); break;
+    case TYPE_Q2_K: for (int64_t g = 0; g < groups; ++g) decode_q2_k(row, g, out + g * GROUP); break;
     case TYPE_Q3_K: for (int64_t g = 0; g < groups; ++g) decode_q3_k(row, g, out + g * GROUP); break;
     case TYPE_Q4_K: for (int64_t g = 0; g < groups; ++g) decode_q4_k(row, g, out + g * GROUP); break;
     case TYPE_Q5_K: for (int64_t g = 0; g < groups; ++g) decode_q5_k(row, g, out + g * GROUP); break;
@@ -697,6 +738,16 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
         *hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
         return;
     }
+    case TYPE_Q2_K: { /* each half's 4-bit scale folded into its integers: scale * q <= 45 */
+        const uint8_t *block = row + (g / 8) * 84;
+        const int j = (int)(g % 8);
+        const __m256i values = q2_k_bytes(block, j);
+        *lo = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(values)),
+                                 _mm256_set1_epi16((short)(block[2 * j] & 15)));
+        *hi = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(values, 1)),
+                                 _mm256_set1_epi16((short)(block[2 * j + 1] & 15)));
+        return;
+    }
     case TYPE_Q3_K: { /* each half's scale folded into its integers: |scale * q| <= 128 */
         const uint8_t *block = row + (g / 8) * 110;
         const int j = (int)(g % 8);
@@ -739,77 +790,100 @@ static inline void k_pair_values(int type, const uint8_t *block, int j, __m256i 
     }
 }
 
-/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row. */
-static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float *b) {
+/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row (b[0] = b[1]: see
+ * ``direct_group``). */
+static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float b[2]) {
     const uint8_t *block = row + g * row_bytes(type, GROUP);
     *a = f16_at(block);
     switch (type) {
     case TYPE_Q8_0:
-    case TYPE_IQ4_NL: *b = 0.0f; break;
-    case TYPE_Q4_0: *b = -8.0f * *a; break;
-    case TYPE_Q5_0: *b = -16.0f * *a; break;
-    default: *b = f16_at(block + 2); break; /* Q4_1, Q5_1 */
+    case TYPE_IQ4_NL: b[0] = 0.0f; break;
+    case TYPE_Q4_0: b[0] = -8.0f * *a; break;
+    case TYPE_Q5_0: b[0] = -16.0f * *a; break;
+    default: b[0] = f16_at(block + 2); break; /* Q4_1, Q5_1 */
     }
+    b[1] = b[0];
 }
 
-/* a and b of the eight groups of a Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-block, unpacked once for all of them. */
-static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[8]) {
+/* a and b of the eight groups of a Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-block,
+ * unpacked once for all of them: group j's a[j], its halves' b[2 j], b[2 j + 1]. */
+static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[16]) {
+    for (int j = 0; j < 16; ++j) b[j] = 0.0f;
     if (type == TYPE_IQ4_XS) {
-        for (int j = 0; j < 8; ++j) a[j] = iq4_xs_scale(block, j), b[j] = 0.0f;
+        for (int j = 0; j < 8; ++j) a[j] = iq4_xs_scale(block, j);
+        return;
+    }
+    if (type == TYPE_Q2_K) { /* the scales are in the integers, the mins in b */
+        const float d = f16_at(block + 80), dmin = f16_at(block + 82);
+        for (int j = 0; j < 8; ++j) a[j] = d;
+        for (int j = 0; j < 16; ++j) b[j] = -dmin * (float)(block[j] >> 4);
         return;
     }
     if (HALF_SCALED_TYPE(type)) { /* the per-16 scales are in the integers (weight_values) */
         const float d = f16_at(block + (type == TYPE_Q6_K ? 208 : 108));
-        for (int j = 0; j < 8; ++j) a[j] = d, b[j] = 0.0f;
+        for (int j = 0; j < 8; ++j) a[j] = d;
         return;
     }
     const float d = f16_at(block), dmin = f16_at(block + 2);
     for (int j = 0; j < 8; ++j) {
         int scale, min;
         q4_k_scale_min(block + 4, j, &scale, &min);
-        a[j] = d * (float)scale, b[j] = -dmin * (float)min;
+        a[j] = d * (float)scale, b[2 * j] = b[2 * j + 1] = -dmin * (float)min;
     }
 }
 
 /* Rows of x rounded for the integer products: group i (row-major over rows) is
- * q[32 i .. 32 i + 31] (32-byte aligned), step d[i], scaled_sum[i] = d * sum(q). */
+ * q[32 i .. 32 i + 31] (32-byte aligned), step d[i], scaled_sum[i] = d * sum(q), and
+ * half_sums[2 i], [2 i + 1] = d * sum(q) over values 0..15 and 16..31. */
 typedef struct {
     int16_t *q;
-    float *d, *scaled_sum;
+    float *d, *scaled_sum, *half_sums;
 } RoundedGroups;
 
 /* x [m, k] (row stride xs) rounded into one allocation (free ``q``), or q NULL. */
 static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k) {
     const int64_t groups = k / GROUP, count = m * groups;
-    RoundedGroups rounded = {NULL, NULL, NULL};
-    if (posix_memalign((void **)&rounded.q, 32, (size_t)count * (GROUP * sizeof(int16_t) + 2 * sizeof(float)))) {
+    RoundedGroups rounded = {NULL, NULL, NULL, NULL};
+    if (posix_memalign((void **)&rounded.q, 32, (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float)))) {
         rounded.q = NULL;
         return rounded;
     }
     rounded.d = (float *)(rounded.q + count * GROUP);
     rounded.scaled_sum = rounded.d + count;
+    rounded.half_sums = rounded.scaled_sum + count;
     for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t i = r * groups + g;
+            const int16_t *q = rounded.q + i * GROUP;
             rounded.d[i] = round_group(x + r * xs + g * GROUP, rounded.q + i * GROUP, rounded.scaled_sum + i);
+            int32_t first = 0, second = 0;
+            for (int l = 0; l < GROUP / 2; ++l) first += q[l], second += q[l + GROUP / 2];
+            rounded.half_sums[2 * i] = rounded.d[i] * (float)first;
+            rounded.half_sums[2 * i + 1] = rounded.d[i] * (float)second;
         }
     return rounded;
 }
 
 /* Group g's share for R rows, its weights a * (lo | hi) + b: acc[r] += a * d * sums,
- * offset[r] += b * d * sum(q). */
+ * offset[r] += b * d * sum(q). Q2_K's halves have a b each (b[0] for values 0..15,
+ * b[1] for 16..31); the other types' are equal and their sum is taken whole. */
 static inline __attribute__((always_inline)) void direct_group(int type, int R, int64_t g, int64_t groups,
                                                               const RoundedGroups *x, __m256i lo, __m256i hi,
-                                                              float a, float b, __m256 *acc, __m256 *offset) {
-    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+                                                              float a, const float b[2], __m256 *acc,
+                                                              __m256 *offset) {
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b[0]), b_high = _mm256_set1_ps(b[1]);
     for (int r = 0; r < R; ++r) {
         const int64_t i = r * groups + g;
         const __m256i *q = (const __m256i *)(x->q + i * GROUP);
         const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
                                               _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(av, _mm256_set1_ps(x->d[i])), acc[r]);
-        if (OFFSET_TYPE(type))
+        if (type == TYPE_Q2_K) {
+            offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->half_sums[2 * i]), offset[r]);
+            offset[r] = _mm256_fmadd_ps(b_high, _mm256_set1_ps(x->half_sums[2 * i + 1]), offset[r]);
+        } else if (OFFSET_TYPE(type)) {
             offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
+        }
     }
 }
 
@@ -827,7 +901,7 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
         const int64_t block_bytes = row_bytes(type, 256);
         for (; g < groups; g += 8) {
             const uint8_t *block = row + (g / 8) * block_bytes;
-            float a[8], b[8];
+            float a[8], b[16];
             super_block_scales(type, block, a, b);
             for (int j = 0; j < 8; j += 2) {
                 if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
@@ -836,22 +910,22 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
                     weight_values(type, row, g + j, &v[0], &v[1]);
                     weight_values(type, row, g + j + 1, &v[2], &v[3]);
                 }
-                direct_group(type, R, g + j, groups, x, v[0], v[1], a[j], b[j], even, even_offset);
-                direct_group(type, R, g + j + 1, groups, x, v[2], v[3], a[j + 1], b[j + 1], odd, odd_offset);
+                direct_group(type, R, g + j, groups, x, v[0], v[1], a[j], b + 2 * j, even, even_offset);
+                direct_group(type, R, g + j + 1, groups, x, v[2], v[3], a[j + 1], b + 2 * j + 2, odd, odd_offset);
             }
         }
     } else {
-        float a, b;
+        float a, b[2];
         for (; g + 2 <= groups; g += 2) {
-            group_scales(type, row, g, &a, &b);
+            group_scales(type, row, g, &a, b);
             weight_values(type, row, g, &v[0], &v[1]);
             direct_group(type, R, g, groups, x, v[0], v[1], a, b, even, even_offset);
-            group_scales(type, row, g + 1, &a, &b);
+            group_scales(type, row, g + 1, &a, b);
             weight_values(type, row, g + 1, &v[2], &v[3]);
             direct_group(type, R, g + 1, groups, x, v[2], v[3], a, b, odd, odd_offset);
         }
         if (g < groups) {
-            group_scales(type, row, g, &a, &b);
+            group_scales(type, row, g, &a, b);
             weight_values(type, row, g, &v[0], &v[1]);
             direct_group(type, R, g, groups, x, v[0], v[1], a, b, even, even_offset);
         }
@@ -883,6 +957,7 @@ static void direct_row(int type, const uint8_t *row, int64_t groups, const Round
     case TYPE_Q5_K: DIRECT_BY_ROWS(TYPE_Q5_K); break;
     case TYPE_IQ4_NL: DIRECT_BY_ROWS(TYPE_IQ4_NL); break;
     case TYPE_IQ4_XS: DIRECT_BY_ROWS(TYPE_IQ4_XS); break;
+    case TYPE_Q2_K: DIRECT_BY_ROWS(TYPE_Q2_K); break;
     case TYPE_Q3_K: DIRECT_BY_ROWS(TYPE_Q3_K); break;
     case TYPE_Q6_K: DIRECT_BY_ROWS(TYPE_Q6_K); break;
     default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
