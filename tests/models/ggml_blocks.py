@@ -69,33 +69,25 @@ def _q4_1(block: np.ndarray) -> np.ndarray:
     return y
 
 
+def _q5_values(qh_bytes: np.ndarray, qs: np.ndarray) -> list[int]:
+    """The 32 unsigned 5-bit values: qh is a little-endian uint32 holding bit 4 of every
+    value (bit j for value j); qs[j] holds the low 4 bits of values j (low nibble) and j+16."""
+    qh = int.from_bytes(bytes(qh_bytes), "little")
+    low = [(int(qs[j]) & 0x0F) | (((qh >> j) & 1) << 4) for j in range(QK // 2)]
+    high = [(int(qs[j]) >> 4) | (((qh >> (j + 16)) & 1) << 4) for j in range(QK // 2)]
+    return low + high
+
+
 def _q5_0(block: np.ndarray) -> np.ndarray:
-    # struct { half d; uint8 qh[4]; uint8 qs[16]; }  qh: a little-endian uint32 holding
-    # bit 4 of every value (bit j for value j); 5-bit values minus 16, times d
+    # struct { half d; uint8 qh[4]; uint8 qs[16]; }  y = (q - 16) * d
     d = _f16(block[0:2])
-    qh = int.from_bytes(bytes(block[2:6]), "little")
-    qs = block[6:22]
-    y = np.zeros(QK, dtype=np.float32)
-    for j in range(QK // 2):
-        low = (int(qs[j]) & 0x0F) | (((qh >> j) & 1) << 4)
-        high = (int(qs[j]) >> 4) | (((qh >> (j + 16)) & 1) << 4)
-        y[j] = np.float32(low - 16) * d
-        y[j + QK // 2] = np.float32(high - 16) * d
-    return y
+    return np.array([np.float32(q - 16) * d for q in _q5_values(block[2:6], block[6:22])], dtype=np.float32)
 
 
 def _q5_1(block: np.ndarray) -> np.ndarray:
-    # struct { half d; half m; uint8 qh[4]; uint8 qs[16]; }  y = q * d + m, q unsigned 5-bit
+    # struct { half d; half m; uint8 qh[4]; uint8 qs[16]; }  y = q * d + m
     d, m = _f16(block[0:2]), _f16(block[2:4])
-    qh = int.from_bytes(bytes(block[4:8]), "little")
-    qs = block[8:24]
-    y = np.zeros(QK, dtype=np.float32)
-    for j in range(QK // 2):
-        low = (int(qs[j]) & 0x0F) | (((qh >> j) & 1) << 4)
-        high = (int(qs[j]) >> 4) | (((qh >> (j + 16)) & 1) << 4)
-        y[j] = np.float32(low) * d + m
-        y[j + QK // 2] = np.float32(high) * d + m
-    return y
+    return np.array([np.float32(q) * d + m for q in _q5_values(block[4:8], block[8:24])], dtype=np.float32)
 
 
 def _k4_scale_min(j: int, scales: np.ndarray) -> tuple[int, int]:
