@@ -18,7 +18,8 @@
 /* ggml's type ids (GGMLQuantizationType). */
 enum {
     TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8,
-    TYPE_Q2_K = 10, TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
+    TYPE_Q2_K = 10, TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14,
+    TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23
 };
 /* Types whose values come in 256-value super-blocks. */
 #define SUPER_BLOCK_TYPE(type)                                                                     \
@@ -405,7 +406,8 @@ static inline void decode_group_avx2(int type, const uint8_t *row, int64_t g, __
         const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
         const float d = f16_at(block + 108);
         for (int i = 0; i < 4; ++i)
-            v[i] = _mm256_mul_ps(_mm256_set1_ps(d * (float)q3_k_scale(block, 2 * j + i / 2)), bytes_to_floats(parts[i], 1));
+            v[i] = _mm256_mul_ps(_mm256_set1_ps(d * (float)q3_k_scale(block, 2 * j + i / 2)),
+                                 bytes_to_floats(parts[i], 1));
         break;
     }
     case TYPE_Q6_K: { /* values 0..15 and 16..31 have a scale each */
