@@ -76,29 +76,6 @@ typedef struct {
     int64_t num_seqs, max_blocks, sliding_window;
 } DecoderStep;
 
-/* float to IEEE half, rounded to nearest even as PyTorch rounds; overflow
- * gives infinity, NaN stays NaN. */
-static inline uint16_t float_to_f16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    const uint32_t magnitude = bits & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((magnitude >> 13) & 0x1ffu);
-    if (magnitude >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520 rounds up to infinity */
-    if (magnitude >= 0x38800000u) {                       /* a normal half: >= 2^-14 */
-        const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
-        return sign | (uint16_t)((rounded - 0x38000000u) >> 13); /* rebias 127 -> 15 */
-    }
-    if (magnitude <= 0x33000000u) return sign; /* <= 2^-25: zero (2^-25 ties to even) */
-    /* A subnormal half: in units of 2^-24, the 24-bit significand shifted right. */
-    const uint32_t exponent = magnitude >> 23, significand = (magnitude & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - exponent, halfway = 1u << (shift - 1);
-    uint32_t units = significand >> shift;
-    const uint32_t rest = significand & ((1u << shift) - 1);
-    if (rest > halfway || (rest == halfway && (units & 1u))) ++units;
-    return sign | (uint16_t)units;
-}
-
 /* n floats stored as the cache's element type. */
 static void store_row(void *dst, const float *src, int64_t n, int64_t cache_dtype) {
     if (cache_dtype == CACHE_F32) {
