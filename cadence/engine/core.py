@@ -146,13 +146,11 @@ class EngineCore:
 
     def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
         in_flight = self.in_flight
-        # An empty step in flight means the next schedule would find the same: wait for
-        # results first. (Scheduling behind it kept one empty step in flight forever
-        # once nothing could run, and a stalled engine never looked stalled.)
-        while len(in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_requests() \
-                and not (in_flight and not in_flight[-1][0].total_num_scheduled_tokens):
+        while len(in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
             in_flight.append((scheduler_output, self._executor.submit(self.runner.execute_model, scheduler_output)))
+            if not scheduler_output.total_num_scheduled_tokens:
+                break  # the next schedule would find the same: wait for results first
         if not in_flight:
             return {}
         scheduler_output, future = in_flight.popleft()

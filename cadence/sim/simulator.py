@@ -126,9 +126,15 @@ class VirtualClock:
         self.now = max(self.now, t)
 
     def check_progress(self, core: EngineCore) -> bool:
-        """False when a step did nothing and nothing will change without an arrival."""
+        """False when a step did nothing and nothing will change without an arrival.
+
+        With async scheduling a step scheduled while another ran may be empty
+        (its requests waited for that step's tokens); it is the steps still in
+        flight with tokens that promise progress. Empty ones do not: once nothing
+        can run, the loop keeps one empty step in flight behind another."""
         step = self.last_step
-        return bool(step.shape.num_tokens or step.num_preempted or core.in_flight
+        return bool(step.shape.num_tokens or step.num_preempted
+                    or any(output.total_num_scheduled_tokens for output, _ in core.in_flight)
                     or not core.scheduler.has_unfinished_requests())
 
 
