@@ -100,11 +100,12 @@ def _k4_scale_min(j: int, scales: np.ndarray) -> tuple[int, int]:
     return scale, minimum
 
 
-def _q4_k(block: np.ndarray) -> np.ndarray:
-    # struct { half d; half dmin; uint8 scales[12]; uint8 qs[128]; }
-    # 8 sub-blocks of 32; each 32 bytes of qs hold two sub-blocks (low then high nibbles).
+def _k_sub_blocks(block: np.ndarray, qs: np.ndarray, qh: np.ndarray | None) -> np.ndarray:
+    """Q4_K's and Q5_K's 256 values: half d, dmin at bytes 0..3, packed scales at 4..15.
+    8 sub-blocks of 32; each 32 bytes of qs hold two sub-blocks (low then high nibbles);
+    Q5_K's fifth bit of value l of sub-block ``sub`` is bit ``sub`` of qh[l]."""
     d, dmin = _f16(block[0:2]), _f16(block[2:4])
-    scales, qs = block[4:16], block[16:144]
+    scales = block[4:16]
     y = np.zeros(QK_K, dtype=np.float32)
     for chunk in range(4):
         for sub, shift in ((2 * chunk, 0), (2 * chunk + 1, 4)):
@@ -112,8 +113,15 @@ def _q4_k(block: np.ndarray) -> np.ndarray:
             d_sub, m_sub = d * np.float32(scale), dmin * np.float32(minimum)
             for l in range(32):
                 q = (int(qs[32 * chunk + l]) >> shift) & 0x0F
+                if qh is not None:
+                    q |= ((int(qh[l]) >> sub) & 1) << 4
                 y[32 * sub + l] = d_sub * np.float32(q) - m_sub
     return y
+
+
+def _q4_k(block: np.ndarray) -> np.ndarray:
+    # struct { half d; half dmin; uint8 scales[12]; uint8 qs[128]; }
+    return _k_sub_blocks(block, block[16:144], None)
 
 
 def _q2_k(block: np.ndarray) -> np.ndarray:
@@ -164,21 +172,7 @@ def _q3_k(block: np.ndarray) -> np.ndarray:
 
 def _q5_k(block: np.ndarray) -> np.ndarray:
     # struct { half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]; }
-    # As Q4_K, plus a fifth bit: bit `sub` of qh[l] for value l of sub-block `sub`.
-    d, dmin = _f16(block[0:2]), _f16(block[2:4])
-    scales, qh, qs = block[4:16], block[16:48], block[48:176]
-    y = np.zeros(QK_K, dtype=np.float32)
-    for chunk in range(4):
-        for sub, shift in ((2 * chunk, 0), (2 * chunk + 1, 4)):
-            scale, minimum = _k4_scale_min(sub, scales)
-            d_sub, m_sub = d * np.float32(scale), dmin * np.float32(minimum)
-            for l in range(32):
-                q = ((int(qs[32 * chunk + l]) >> shift) & 0x0F) | (((int(qh[l]) >> sub) & 1) << 4)
-                y[32 * sub + l] = d_sub * np.float32(q) - m_sub
-    return y
-
-
-IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+    return _k_sub_blocks(block, block[48:176], block[16:48])
 
 
 def _iq4_levels(qs: np.ndarray, d: np.float32) -> np.ndarray:
