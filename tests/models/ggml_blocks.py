@@ -175,6 +175,9 @@ def _q5_k(block: np.ndarray) -> np.ndarray:
     return _k_sub_blocks(block, block[48:176], block[16:48])
 
 
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+
+
 def _iq4_levels(qs: np.ndarray, d: np.float32) -> np.ndarray:
     """16 bytes of nibbles: value j is level[low nibble of qs[j]], value j+16 the high one's."""
     y = np.zeros(QK, dtype=np.float32)
