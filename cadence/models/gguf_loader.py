@@ -39,7 +39,7 @@ from cadence.models.config import ModelConfig
 from cadence.models.dequant import FLOAT_TYPES, to_torch
 from cadence.models.gguf_file import GGUFFile, GGUFTensor
 from cadence.models.llama import LlamaForCausalLM
-from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor, keeps_quantized
+from cadence.models.quantized import QuantizedTensor, keeps_quantized
 
 # GGUF tensor name -> HF name, for tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -109,10 +109,10 @@ def load_gguf_model(reader: GGUFFile, metadata: dict[str, Any], dtype: torch.dty
     config = gguf_model_config(reader, metadata)
     model = LlamaForCausalLM(config, dtype)
     model.load_weights(_hf_named_tensors(reader, config, dtype, quantization))
-    if quantization == "auto":
+    if quantization == "auto":  # the block types keeps_quantized turned away
         model.dequantized_at_load = dict(Counter(
             t.tensor_type.name for t in reader.tensors
-            if t.tensor_type not in FLOAT_TYPES and t.tensor_type not in KERNEL_TYPES))
+            if t.tensor_type not in FLOAT_TYPES and not keeps_quantized(t.name, t.tensor_type, quantization)))
     return model.eval(), config
 
 

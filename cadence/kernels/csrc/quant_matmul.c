@@ -270,7 +270,8 @@ typedef struct {
 } RoundedGroups;
 
 /* x [m, k] (row stride xs) rounded into one allocation (free ``q``), or q NULL. */
-static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k) {
+/* half_sums only where ``with_half_sums`` (Q2_K's products read them); NULL elsewhere. */
+static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k, int with_half_sums) {
     const int64_t groups = k / GROUP, count = m * groups;
     RoundedGroups rounded = {NULL, NULL, NULL, NULL};
     if (posix_memalign((void **)&rounded.q, 32, (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float)))) {
@@ -279,12 +280,13 @@ static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k
     }
     rounded.d = (float *)(rounded.q + count * GROUP);
     rounded.scaled_sum = rounded.d + count;
-    rounded.half_sums = rounded.scaled_sum + count;
+    rounded.half_sums = with_half_sums ? rounded.scaled_sum + count : NULL;
     for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t i = r * groups + g;
             const int16_t *q = rounded.q + i * GROUP;
             rounded.d[i] = round_group(x + r * xs + g * GROUP, rounded.q + i * GROUP, rounded.scaled_sum + i);
+            if (!with_half_sums) continue;
             int32_t first = 0, second = 0;
             for (int l = 0; l < GROUP / 2; ++l) first += q[l], second += q[l + GROUP / 2];
             rounded.half_sums[2 * i] = rounded.d[i] * (float)first;
@@ -424,7 +426,7 @@ static int64_t tile_rows(int64_t k) {
 static int products_of_groups(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                               const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
 #if DIRECT_MAX_ROWS
-    const RoundedGroups rounded = round_rows(x, m, x_stride, k);
+    const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
     if (rounded.q == NULL) return -2;
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, k / GROUP, &rounded, m, out + c, out_stride);
