@@ -110,6 +110,13 @@ class FakeRunner:
     running request's computed count, nothing scheduled past the known tokens
     and drafts, and (given ``block_size``) blocks that cover every position
     computed in the step.
+
+    With ``check_kv`` (and ``block_size``) it also keeps a shadow KV cache,
+    ``ShadowKV``: each step writes every scheduled position's token id into
+    the slot its block table maps it to, then checks that every position the
+    step attends to holds the token it should, which is what a real model
+    reads. A block handed out as a prefix-cache hit that no step wrote fails
+    here, even when the token streams come out right.
     """
 
     def __init__(
@@ -118,10 +125,14 @@ class FakeRunner:
         *,
         draft_fn: DraftFn | None = None,
         block_size: int | None = None,
+        check_kv: bool = False,
     ) -> None:
         self.token_fn = token_fn
         self.draft_fn = draft_fn
         self.block_size = block_size
+        if check_kv and block_size is None:
+            raise ValueError("check_kv: the shadow KV cache needs block_size")
+        self.shadow_kv = ShadowKV(block_size) if check_kv else None
         self.tokens: dict[str, list[int]] = {}  # req_id -> prompt + sampled
         self.computed: dict[str, int] = {}
         self.block_ids: dict[str, list[int]] = {}
@@ -136,6 +147,8 @@ class FakeRunner:
         scheduled = scheduler_output.num_scheduled_tokens
         drafts = scheduler_output.scheduled_spec_decode_tokens
         req_ids = list(scheduled)
+        if self.shadow_kv is not None:
+            self._check_kv(scheduled, drafts)
         sampled = [self._run_one(req_id, scheduled[req_id], drafts.get(req_id, ())) for req_id in req_ids]
         proposed = None
         if self.draft_fn is not None:  # drafts for the next step, from the tokens known now
@@ -177,6 +190,21 @@ class FakeRunner:
                 self.block_ids[req_id].extend(cached.new_block_ids[i])
             self.computed[req_id] = cached.num_computed_tokens[i]
 
+    def _check_kv(self, scheduled: dict[str, int], drafts: dict[str, list[int]]) -> None:
+        """Write the step's positions into the shadow cache, then check every
+        position each request attends to (a real runner, per layer, also
+        writes the whole step's keys before any attention reads them)."""
+        shadow = self.shadow_kv
+        spans = []
+        for req_id, num_scheduled in scheduled.items():
+            tokens = self.tokens[req_id] + list(drafts.get(req_id, ()))
+            start = self.computed[req_id]
+            spans.append((req_id, tokens, start, start + num_scheduled))
+        for req_id, tokens, start, end in spans:
+            shadow.write(self.block_ids[req_id], tokens, start, end)
+        for req_id, tokens, start, end in spans:
+            shadow.check_reads(req_id, self.block_ids[req_id], tokens, end)
+
     def _run_one(self, req_id: str, num_scheduled: int, drafts: Sequence[int]) -> list[int]:
         tokens = self.tokens[req_id]
         start = self.computed[req_id]
@@ -195,6 +223,45 @@ class FakeRunner:
         self.computed[req_id] = end - (len(drafts) + 1 - len(out))  # rejected drafts are not computed
         self.num_sampled[req_id] = self.num_sampled.get(req_id, 0) + len(out)
         return out
+
+
+class KVContentError(AssertionError):
+    """A step attended to a KV slot that does not hold its position's token."""
+
+
+class ShadowKV:
+    """What a paged KV cache would hold, one token id per slot.
+
+    Slot of position ``p`` of a request with block table ``blocks``:
+
+        position p  ->  block blocks[p // block_size], offset p % block_size
+
+    A block keeps what was last written to it after its owner frees it,
+    as real cache memory does: a prefix-cache hit reads that.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id
+        self.num_reads_checked = 0
+
+    def write(self, block_ids: list[int], tokens: Sequence[int], start: int, end: int) -> None:
+        size = self.block_size
+        for pos in range(start, end):
+            self.slots[(block_ids[pos // size], pos % size)] = tokens[pos]
+
+    def check_reads(self, req_id: str, block_ids: list[int], tokens: Sequence[int], end: int) -> None:
+        """Every position before ``end`` (the causal context of the step's last row)."""
+        size, slots = self.block_size, self.slots
+        for pos in range(end):
+            slot = (block_ids[pos // size], pos % size)
+            held = slots.get(slot)
+            if held != tokens[pos]:
+                raise KVContentError(
+                    f"{req_id}: position {pos} reads block {slot[0]} offset {slot[1]}, which holds "
+                    f"{'nothing written' if held is None else f'token {held}'}, not token {tokens[pos]}"
+                )
+        self.num_reads_checked += end
 
 
 # ----------------------------------------------------------------------
@@ -315,7 +382,7 @@ def run_until_done(
 
     ``on_step`` sees each ``SchedulerOutput`` before its update;
     ``check_blocks`` checks the KV cache's consistency after every step."""
-    runner = runner or FakeRunner(block_size=scheduler.block_size)
+    runner = runner or FakeRunner(block_size=scheduler.block_size, check_kv=True)
     outputs: dict[str, list[EngineCoreOutput]] = {}
     for _ in range(max_steps):
         if not scheduler.has_requests():
@@ -336,7 +403,7 @@ def run_pipelined(
 ) -> dict[str, list[EngineCoreOutput]]:
     """Keep one step in flight (async scheduling): schedule and execute step
     t+1 before updating step t; returns every request's outputs."""
-    runner = runner or FakeRunner(block_size=scheduler.block_size)
+    runner = runner or FakeRunner(block_size=scheduler.block_size, check_kv=True)
     outputs: dict[str, list[EngineCoreOutput]] = {}
     in_flight = None
     for _ in range(max_steps):

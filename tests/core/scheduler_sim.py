@@ -77,7 +77,8 @@ def make_request(
 
 
 class ModelRunnerSim(FakeRunner):
-    """The harness's ``FakeRunner``, checking that blocks cover each step's positions."""
+    """The harness's ``FakeRunner``, checking that blocks cover each step's
+    positions and (``check_kv``) what each step reads from the KV cache."""
 
     def __init__(
         self,
@@ -85,9 +86,10 @@ class ModelRunnerSim(FakeRunner):
         *,
         token_fn: Callable[[list[int]], int] = model_token,
         draft_fn: DraftFn | None = None,
+        check_kv: bool = True,
     ) -> None:
         super().__init__(lambda req_id, tokens: token_fn(tokens), draft_fn=draft_fn,
-                         block_size=block_size)
+                         block_size=block_size, check_kv=check_kv)
 
 
 def run_to_completion(

@@ -175,6 +175,17 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return [block.block_id for block in new_blocks]
 
+    def cache_scheduled_blocks(self, request: Request) -> None:
+        """Register the full blocks of the request's computed tokens (counting
+        the step just handed to the runner) whose ids are known: not drafts,
+        not async placeholders. The scheduler calls it once a step is final
+        (it allocates with ``delay_cache_blocks``)."""
+        if not self.enable_caching:
+            return
+        num_known = min(request.num_tokens, request.num_computed_tokens)
+        if num_known // self.block_size > self._num_cached_blocks.get(request.request_id, 0):
+            self.cache_blocks(request, num_known)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the prefix cache."""
         if not self.enable_caching:

@@ -240,7 +240,7 @@ class Scheduler(SchedulerInterface):
                 num_new = plan.add_encoder_inputs(request, num_new, self.encoder_cache_manager)
                 if num_new <= 0:
                     continue
-            new_block_ids = allocate(request, num_new, 0, None, lookahead)
+            new_block_ids = allocate(request, num_new, 0, None, lookahead, True)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, plan)
                 if new_block_ids is None:
@@ -279,7 +279,8 @@ class Scheduler(SchedulerInterface):
             if victim is request:
                 return None
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens,
+                delay_cache_blocks=True,
             )
             if new_block_ids is not None:
                 return new_block_ids
@@ -443,7 +444,7 @@ class Scheduler(SchedulerInterface):
                     return Admission.STOP
         new_block_ids = kv.allocate_slots(
             request, num_new + num_external, num_local, hits,
-            num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=load_async,
+            num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=True,
         )
         if new_block_ids is None:
             plan.drop_encoder_inputs(request, self.encoder_cache_manager)
@@ -602,12 +603,22 @@ class Scheduler(SchedulerInterface):
     def _advance_computed_tokens(self, plan: StepPlan) -> None:
         """Count this step's tokens as computed now, so the next step can be
         scheduled before this one's results arrive. Rejected drafts are
-        taken back in ``update_from_output``."""
+        taken back in ``update_from_output``.
+
+        Blocks this step fills enter the prefix cache here, once the step is
+        final, never at allocation: a request scheduled and then taken back
+        in the same ``schedule()`` call (displaced, preempted) must not leave
+        blocks that no step writes findable as hits. A request admitted in
+        this step therefore does not share blocks another one fills in this
+        same step; from the next step on it would (the step in flight writes
+        them before any later step reads them)."""
         requests = self.requests
         track_placeholders = self.async_scheduling
+        commit = self.kv_cache_manager.cache_scheduled_blocks
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = requests[req_id]
             request.num_computed_tokens += num_new
+            commit(request)
             if track_placeholders and request.num_computed_tokens >= request.num_tokens:
                 # Every token past the known ones samples one (the last) output.
                 request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
