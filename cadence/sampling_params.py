@@ -21,6 +21,19 @@ MAX_TEMPERATURE = 100.0
 # 64 bits: a larger value must be refused here, not fail in the send.
 MAX_INT64 = 2**63 - 1
 MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
+# Seen tokens' logits are divided (positive) or multiplied (negative) by the
+# repetition penalty r. vLLM and Hugging Face accept any r > 0, but an r below
+# float32's normal range (1e-40) turns every logit into inf or NaN and the
+# sampler into argmax-of-garbage (token 0). Useful values lie near 1 (1.0-1.5
+# penalise, below 1 favours); [1e-6, 1e6] keeps every scaled logit finite in
+# float32 and refuses only mistakes.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+# vLLM's (and OpenAI's) range for the additive penalties.
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
+# A cache salt is a secret of a few dozen characters (vLLM suggests 43: 256
+# bits in base64); far longer is a mistake, and it travels with every request.
+MAX_CACHE_SALT_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputParams | None = None
     skip_special_tokens: bool = True
+    # vLLM's per-request salt of the prefix cache: requests share cached blocks
+    # only when their salts are equal (no salt shares with no salt), so one
+    # tenant cannot learn another's prompts from cache hits (Request.extra_hash_key).
+    cache_salt: str | None = None
     extra_args: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -140,7 +157,7 @@ class SamplingParams:
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+                raise ValueError(f"stop: every stop string must be a non-empty str, got {_shown(s)}")
             if not _is_valid_unicode(s):
                 raise ValueError("stop: a stop string contains a lone surrogate (not valid Unicode)")
         for t in self.stop_token_ids:
@@ -149,11 +166,13 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
-        _check_number("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
-        _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, minimum=0.0)
-        if self.repetition_penalty == 0.0:
-            raise ValueError("repetition_penalty: must be > 0, got 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), minimum=-MAX_ABS_PRESENCE_FREQUENCY_PENALTY,
+                          maximum=MAX_ABS_PRESENCE_FREQUENCY_PENALTY)
+        _check_number("repetition_penalty", self.repetition_penalty,
+                      minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY)
+        if self.cache_salt is not None:
+            _check_cache_salt(self.cache_salt)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputParams
         ):
@@ -172,11 +191,11 @@ def _check_int(
     name: str, value: Any, *, minimum: int | None = None, maximum: int | None = MAX_INT64
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
+        raise ValueError(f"{name}: must be an integer, got {_shown(value)}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        raise ValueError(f"{name}: must be >= {minimum}, got {_shown(value)}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: must be <= {maximum}, got {value}")
+        raise ValueError(f"{name}: must be <= {maximum}, got {_shown(value)}")
 
 
 def _check_seed(seed: Any, n: int) -> None:
@@ -184,20 +203,40 @@ def _check_seed(seed: Any, n: int) -> None:
     _check_int("seed", seed, maximum=None)
     if not 0 <= seed <= MAX_SEED - (n - 1):
         raise ValueError(f"seed: must be an unsigned 64-bit integer in [0, {MAX_SEED - (n - 1)}] "
-                         f"(sample i of n uses seed + i), got {seed}")
+                         f"(sample i of n uses seed + i), got {_shown(seed)}")
+
+
+def _check_cache_salt(salt: Any) -> None:
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("cache_salt: must be a non-empty string")
+    if len(salt) > MAX_CACHE_SALT_LEN:
+        raise ValueError(f"cache_salt: must be at most {MAX_CACHE_SALT_LEN} characters, "
+                         f"got {len(salt)}")
+    if not _is_valid_unicode(salt):
+        raise ValueError("cache_salt: contains a lone surrogate (not valid Unicode)")
 
 
 def _check_number(
     name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: must be a number, got {value!r}")
+        raise ValueError(f"{name}: must be a number, got {_shown(value)}")
     if isinstance(value, float) and not math.isfinite(value):  # NaN, +-inf: no sampler survives them
-        raise ValueError(f"{name}: must be a finite number, got {value}")
+        raise ValueError(f"{name}: must be a finite number, got {_shown(value)}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        raise ValueError(f"{name}: must be >= {minimum}, got {_shown(value)}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: must be <= {maximum}, got {value}")
+        raise ValueError(f"{name}: must be <= {maximum}, got {_shown(value)}")
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """``repr(value)``, at most ``limit`` characters: an error quotes a bounded
+    prefix of what it refuses (a 1 MB string, an integer of a million digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's digit limit for str()
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _is_valid_unicode(text: str) -> bool:

@@ -18,6 +18,7 @@ Only the scheduler mutates a request; the runner gets plain data.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -96,6 +97,25 @@ class LoRARequest:
             raise ValueError("lora_request: lora_name must be a non-empty string")
         if not isinstance(self.lora_path, str):
             raise ValueError(f"lora_request: lora_path must be a string, got {self.lora_path!r}")
+
+
+def extra_hash_key_of(lora_request: LoRARequest | None, cache_salt: str | None) -> Any:
+    """What besides its tokens sets a block's hash (``Request.extra_hash_key``).
+
+    The LoRA adapter's id: its KV differs. The cache salt (vLLM's
+    ``cache_salt``): requests share cached blocks only when their salts are
+    equal, and no salt shares only with no salt, so one tenant cannot time
+    another's prompts through cache hits. vLLM mixes the salt into the first
+    block's hash; the chain carries it to every later block, and folding it
+    into every block, as here, gives the same sharing. The salt enters as a
+    digest: the key travels in KV-cache events, the secret need not. The key
+    stays a scalar (None, int or str), hashable after a msgpack round trip.
+    """
+    lora_id = lora_request.lora_int_id if lora_request is not None else None
+    if cache_salt is None:
+        return lora_id
+    digest = hashlib.sha256(cache_salt.encode("utf-8")).hexdigest()[:32]
+    return f"salt:{digest}" if lora_id is None else f"lora:{lora_id}:salt:{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +197,9 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of this request's full blocks, filled lazily by the KV cache manager.
         self.block_hashes: list[Any] = []
-        # Folded into the hash of every block (e.g. the LoRA adapter): equal
-        # tokens under another adapter have other KV.
-        self.extra_hash_key: Any = lora_request.lora_int_id if lora_request else None
+        # Folded into the hash of every block: equal tokens under another
+        # adapter have other KV, and under another cache salt must not be shared.
+        self.extra_hash_key: Any = extra_hash_key_of(lora_request, sampling_params.cache_salt)
         self.mm_positions: list[PlaceholderRange] = mm_positions or []
         self.mm_hashes: list[str] = mm_hashes or [
             f"{request_id}#{i}" for i in range(len(self.mm_positions))

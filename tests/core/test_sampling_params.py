@@ -2,7 +2,10 @@
 
 import pytest
 
-from cadence.sampling_params import MAX_INT64, MAX_TEMPERATURE, SamplingParams, StructuredOutputParams
+from cadence.sampling_params import (
+    MAX_INT64, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams,
+    StructuredOutputParams,
+)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -104,3 +107,47 @@ def test_every_sample_of_n_gets_a_seed_that_fits():
 def test_a_stop_string_with_a_lone_surrogate_is_refused():
     with pytest.raises(ValueError, match="^stop: .*surrogate"):
         SamplingParams(stop=["ok", "\ud800"])
+
+
+# ---- penalties: a value the sampler cannot use is refused, not turned into token 0
+
+
+@pytest.mark.parametrize("value", [1e-40, 1e-7, -1.0, 0.0, 1e7, 1e300])
+def test_repetition_penalty_outside_its_range_is_refused(value):
+    with pytest.raises(ValueError, match="^repetition_penalty: must be [<>]= "):
+        SamplingParams(repetition_penalty=value)
+
+
+@pytest.mark.parametrize("value", [MIN_REPETITION_PENALTY, 0.5, 1, 1.3, MAX_REPETITION_PENALTY])
+def test_repetition_penalty_inside_its_range_is_kept(value):
+    assert SamplingParams(repetition_penalty=value).repetition_penalty == value
+
+
+def test_every_accepted_repetition_penalty_keeps_float32_logits_finite():
+    # The sampler divides positive logits by r and multiplies negative ones, in float32.
+    float32_max = 3.4028234e38
+    largest_logit = 1e4  # far beyond any model's
+    assert largest_logit / MIN_REPETITION_PENALTY < float32_max
+    assert largest_logit * MAX_REPETITION_PENALTY < float32_max
+    assert MIN_REPETITION_PENALTY > 1.18e-38  # a normal float32, not a subnormal
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_penalties_are_within_two(field):
+    for value in (-2.0, 0.0, 2, 2.0):
+        assert getattr(SamplingParams(**{field: value}), field) == value
+    for value in (-2.01, 2.5, 1e30):
+        with pytest.raises(ValueError, match=f"^{field}: must be [<>]= "):
+            SamplingParams(**{field: value})
+
+
+def test_errors_quote_a_bounded_prefix_of_the_value():
+    with pytest.raises(ValueError) as err:
+        SamplingParams(seed="x" * 1_000_000)
+    assert str(err.value).startswith("seed: ") and len(str(err.value)) < 200
+    with pytest.raises(ValueError) as err:
+        SamplingParams(stop=["ok", b"y" * 1_000_000])  # not a str
+    assert len(str(err.value)) < 200
+    with pytest.raises(ValueError, match="^top_k: must be <= ") as err:
+        SamplingParams(top_k=10**5000)  # beyond Python's digit limit for str()
+    assert len(str(err.value)) < 200
