@@ -233,21 +233,35 @@ class HermesParser:
 
 class CallArrayParser:
     """``[{"name": ..., "arguments": ...}, ...]`` (``tool_choice: "required"``):
-    each call is parsed as soon as its object closes."""
+    each call is parsed as soon as its object closes.
+
+    A text cut before its array closes (by ``max_tokens``, or a stop string)
+    loses nothing: the calls that closed stay calls, and the rest (the whole
+    text when none closed) is content, with the finish reason that cut it.
+    """
 
     def __init__(self) -> None:
         self._scanner = _JsonScanner()
+        self._text: list[str] = []
+        self._num_calls = 0
 
     def feed(self, text: str) -> Parsed:
+        self._text.append(text)
         parsed = Parsed()
         for element in self._scanner.feed(text):
             call = _call_of(element)
             if call is not None:
                 parsed.calls.append(call)
+        self._num_calls += len(parsed.calls)
         return parsed
 
     def finish(self) -> Parsed:
-        return Parsed()
+        if self._scanner.closed:
+            return Parsed()
+        rest = "".join(self._text)[self._scanner.num_consumed:]
+        if self._num_calls:  # the separator before the cut call is not part of it
+            rest = rest.lstrip(", \n\t\r")
+        return Parsed(content=rest)
 
 
 class NamedCallParser:
@@ -315,17 +329,25 @@ def _partial_tag_length(text: str, tag: str) -> int:
 
 
 class _JsonScanner:
-    """Finds the elements of a top-level JSON array as they complete."""
+    """Finds the elements of a top-level JSON array as they complete.
+
+    ``num_consumed``: characters fed up to the end of the last complete
+    element; ``closed``: the array's ``]`` has been seen.
+    """
 
     def __init__(self) -> None:
         self._depth = 0
         self._in_string = False
         self._escaped = False
         self._element: list[str] = []
+        self._num_fed = 0
+        self.num_consumed = 0
+        self.closed = False
 
     def feed(self, text: str) -> list[str]:
         done = []
         for char in text:
+            self._num_fed += 1
             if self._depth >= 2 or (self._depth == 1 and char not in ",] \n\t\r"):
                 self._element.append(char)
             if self._in_string:
@@ -345,6 +367,9 @@ class _JsonScanner:
                 if self._depth == 1 and self._element:
                     done.append("".join(self._element))
                     self._element = []
+                    self.num_consumed = self._num_fed
+                elif self._depth == 0:
+                    self.closed = True
         return done
 
 

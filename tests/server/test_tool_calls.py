@@ -262,11 +262,27 @@ def test_call_array_calls_appear_as_each_object_closes():
     assert seen == [(first_end, "a"), (second_end, "b")]
 
 
-def test_call_array_truncated_yields_only_the_whole_calls():
+def test_call_array_cut_keeps_the_whole_calls_and_returns_the_rest_as_content():
+    # max_tokens ended the text inside the second call: that call's text is content.
     cut = ARRAY_TEXT.index('"arguments": {}')
     emitted, calls = stream(CallArrayParser(), [ARRAY_TEXT[:cut]])
     assert name_args(calls) == [("a", TRICKY_ARGS)]
-    assert emitted == ["", ""]
+    assert emitted == ["", '{"name": "b", ']
+
+
+@pytest.mark.parametrize("cut", [1, 5, ARRAY_TEXT.index('"x"') + 3])
+def test_call_array_cut_inside_its_first_call_is_all_content(cut):
+    text = ARRAY_TEXT[:cut]
+    assert stream(CallArrayParser(), [text]) == (["", text], [])
+    assert parse_all(CallArrayParser(), text) == (text, [])
+    # Streamed, the same text comes out as content when the choice finishes (by length).
+    deltas = ToolCallDeltas(CallArrayParser())
+    content, calls = reassemble(take_all(deltas, split(text, range(0, len(text), 3))))
+    assert (content, calls, deltas.num_calls) == (text, [], 0)
+
+
+def test_call_array_closed_leaves_no_content():
+    assert stream(CallArrayParser(), [ARRAY_TEXT + "\n"])[0][-1] == ""
 
 
 # ---------------------------------------------------------------- NamedCallParser
