@@ -450,8 +450,9 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto",
-        "Weights and KV-cache dtype: auto (bfloat16 where the CPU computes it natively, "
-        "float32 elsewhere; on a GPU the checkpoint's own), float32, bfloat16 or float16.",
+        "Weights and KV-cache dtype: auto (on the CPU float32 where GGUF weights stay in their "
+        "blocks; for float weights bfloat16 where the CPU computes it natively, float32 "
+        "elsewhere; on a GPU the checkpoint's own), float32, bfloat16 or float16.",
     )
     quantization: str = option(
         "auto",

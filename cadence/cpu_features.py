@@ -18,10 +18,25 @@ hides ``avx512f``, ``avx512bw``, ``avx512_bf16``, ...), and what no real CPU
 has without it (``avx2`` hides AVX-512 and AMX too, ``avx512`` hides AMX);
 ``bf16`` hides every flag that gives native bfloat16 arithmetic. A hidden
 feature can only be taken away, never added.
+
+Resolving defaults as the other machine kind would is a second switch, so
+the suite can pass on either kind of machine whichever kind CI gets:
+
+    CADENCE_RESOLVE_AS=avx512-bf16   # defaults as on a CPU with native bfloat16
+    CADENCE_RESOLVE_AS=avx2          # defaults as on a CPU without it
+
+It changes only what the defaults resolve to (``dtype="auto"``, through
+``defaults_bf16``), never which paths run: on an AVX2 machine resolved as
+``avx512-bf16`` a float checkpoint's ``auto`` is bfloat16, computed in
+software. On the greater machine, hiding does the reverse and more
+(``CADENCE_HIDE_CPU_FEATURES=bf16`` resolves as a CPU without native
+bfloat16 and builds the C kernels for x86-64-v4; ``avx512,amx`` takes the
+AVX2 machine's paths too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -29,6 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HIDE_ENV = "CADENCE_HIDE_CPU_FEATURES"
+RESOLVE_AS_ENV = "CADENCE_RESOLVE_AS"
+# The machine kinds defaults can resolve as, and whether each computes bfloat16 natively.
+RESOLVE_KINDS = {"avx2": False, "avx512-bf16": True}
 # Not CPU flags, but paths the suite switches off the same way.
 PSEUDO_FEATURES = ("onednn", "native")
 # Flags that mean the CPU computes bfloat16 products natively.
@@ -53,6 +71,12 @@ class CpuFeatures:
     model_name: str
     flags: frozenset[str]  # visible flags (hidden ones removed)
     hidden: frozenset[str] = frozenset()  # the entries of CADENCE_HIDE_CPU_FEATURES
+    resolve_as: str | None = None  # CADENCE_RESOLVE_AS: a key of RESOLVE_KINDS, or None (this CPU)
+
+    def __post_init__(self) -> None:
+        if self.resolve_as is not None and self.resolve_as not in RESOLVE_KINDS:
+            raise ValueError(f"{RESOLVE_AS_ENV}: must be one of {', '.join(RESOLVE_KINDS)}, "
+                             f"got {self.resolve_as!r}")
 
     @property
     def is_x86(self) -> bool:
@@ -70,6 +94,12 @@ class CpuFeatures:
     def native_bf16(self) -> bool:
         """bfloat16 products in hardware (AVX512_BF16, AMX, AVX-NE-CONVERT, ARM BF16)."""
         return any(flag in self.flags for flag in BF16_FLAGS)
+
+    @property
+    def defaults_bf16(self) -> bool:
+        """Whether defaults resolve as on a CPU with native bfloat16: ``native_bf16``
+        unless ``resolve_as`` names the other kind."""
+        return self.native_bf16 if self.resolve_as is None else RESOLVE_KINDS[self.resolve_as]
 
     @property
     def onednn_bf16(self) -> bool:
@@ -101,16 +131,21 @@ class CpuFeatures:
                        "fma", "asimd", "sve", "bf16")
         shown = [flag for flag in interesting if flag in self.flags]
         hidden = f", hiding {','.join(sorted(self.hidden))}" if self.hidden else ""
-        return f"{self.model_name or self.arch} ({self.arch}; {' '.join(shown) or 'baseline'}{hidden})"
+        resolve_as = f", defaults as {self.resolve_as}" if self.resolve_as else ""
+        return (f"{self.model_name or self.arch} ({self.arch}; {' '.join(shown) or 'baseline'}"
+                f"{hidden}{resolve_as})")
 
 
 @functools.cache
 def detect() -> CpuFeatures:
-    """This process's CPU, with ``CADENCE_HIDE_CPU_FEATURES`` applied (read once)."""
-    return from_cpuinfo(_read_cpuinfo(), platform.machine(), hide=os.environ.get(HIDE_ENV, ""))
+    """This process's CPU, with ``CADENCE_HIDE_CPU_FEATURES`` and ``CADENCE_RESOLVE_AS``
+    applied (read once)."""
+    return from_cpuinfo(_read_cpuinfo(), platform.machine(), hide=os.environ.get(HIDE_ENV, ""),
+                        resolve_as=os.environ.get(RESOLVE_AS_ENV, "").strip().lower() or None)
 
 
-def from_cpuinfo(cpuinfo: str, arch: str, *, hide: str | tuple[str, ...] = "") -> CpuFeatures:
+def from_cpuinfo(cpuinfo: str, arch: str, *, hide: str | tuple[str, ...] = "",
+                 resolve_as: str | None = None) -> CpuFeatures:
     """Parse ``/proc/cpuinfo`` text; ``hide`` is a comma-separated string or a tuple."""
     model_name, flags = "", set()
     for line in cpuinfo.splitlines():
@@ -121,14 +156,19 @@ def from_cpuinfo(cpuinfo: str, arch: str, *, hide: str | tuple[str, ...] = "") -
         elif key in ("flags", "features"):
             flags.update(value.split())
     hidden = _hide_entries(hide)
-    return CpuFeatures(arch, model_name, frozenset(_visible(flags, hidden)), hidden)
+    return CpuFeatures(arch, model_name, frozenset(_visible(flags, hidden)), hidden, resolve_as)
 
 
 def with_hidden(features: CpuFeatures, *entries: str) -> CpuFeatures:
     """``features`` with more hidden (the suite runs lesser machines this way)."""
     hidden = features.hidden | _hide_entries(entries)
     return CpuFeatures(features.arch, features.model_name,
-                       frozenset(_visible(features.flags, hidden)), hidden)
+                       frozenset(_visible(features.flags, hidden)), hidden, features.resolve_as)
+
+
+def resolved_as(features: CpuFeatures, kind: str | None) -> CpuFeatures:
+    """``features`` resolving defaults as machine ``kind`` (None: as this CPU)."""
+    return dataclasses.replace(features, resolve_as=kind)
 
 
 def _hide_entries(hide: str | tuple[str, ...]) -> frozenset[str]:

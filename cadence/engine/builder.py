@@ -21,10 +21,13 @@ from cadence.engine.core import EngineCore
 from cadence.engine.kv_connectors import make_kv_connector_scheduler, make_kv_connector_worker
 from cadence.engine.kv_events import publisher_for
 from cadence.models import ModelConfig, Tokenizer, checkpoint_dtype, load_model
+from cadence.models.default_model import default_model_path
+from cadence.models.gguf_loader import read_gguf
 from cadence.models.quantized import describe as describe_quantized
+from cadence.models.quantized import keeps_quantized
 from cadence.models.tensor_parallel import check_tensor_parallel
 from cadence.models.tp_group import collective_backend
-from cadence.runner.cpu_paths import log_cpu_choice, resolve_dtype, resolve_quantization
+from cadence.runner.cpu_paths import auto_dtype, log_cpu_choice, resolve_dtype, resolve_quantization
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
@@ -54,13 +57,13 @@ def build_engine(options: EngineOptions, *, log=sys.stderr) -> Engine:
         torch.set_num_threads(engine_config.num_threads)
     torch.manual_seed(engine_config.seed)
     device = resolve_device(engine_config.device)
-    dtype = _resolve_dtype(engine_config, device)
     quantization, note = resolve_quantization(engine_config.quantization, device)
     if options.parallel.tensor_parallel_size > 1 and quantization != "none":
         quantization, note = _dense_for_tensor_parallel(engine_config.quantization,
                                                         options.parallel.tensor_parallel_size)
     if note is not None:
         print(f"cadence: {note}", file=log)
+    dtype = _resolve_dtype(engine_config, device, quantization, log)
     model, tokenizer, model_config = load_model(engine_config.model, dtype, quantization)
     model.to(device)
     return assemble_engine(options, model, model_config, tokenizer, log=log)
@@ -288,12 +291,27 @@ def estimated_seconds_per_token(model: torch.nn.Module, device: torch.device) ->
     return 2 * num_params / _ESTIMATED_FLOPS.get(device.type, _ESTIMATED_FLOPS["cpu"])
 
 
-def _resolve_dtype(engine_config, device: torch.device) -> torch.dtype:
-    """The dtype option made concrete; ``auto`` on a GPU reads the checkpoint's own."""
-    stored = None
-    if engine_config.dtype == "auto" and device.type == "cuda":
-        stored = checkpoint_dtype(engine_config.model)
-    return resolve_dtype(engine_config.dtype, device, checkpoint_dtype=stored)
+def _resolve_dtype(engine_config, device: torch.device, quantization: str, log) -> torch.dtype:
+    """The dtype option made concrete, ``auto`` said why in one line: it reads whether the
+    loader keeps GGUF blocks (CPU) or the checkpoint's own dtype (GPU)."""
+    if engine_config.dtype != "auto":
+        return resolve_dtype(engine_config.dtype, device)
+    stored = checkpoint_dtype(engine_config.model) if device.type == "cuda" else None
+    kept = device.type == "cpu" and _keeps_gguf_blocks(engine_config.model, quantization)
+    dtype, why = auto_dtype(device, checkpoint_dtype=stored, weights_kept=kept)
+    print(f"cadence: dtype auto -> {_dtype_name(dtype)}: {why}", file=log)
+    return dtype
+
+
+def _keeps_gguf_blocks(path: str | None, quantization: str) -> bool:
+    """Whether the loader keeps some matmul weight of ``path`` in its GGUF blocks under
+    ``quantization`` (the rule of ``load_gguf_model``: 2-D tensors ``keeps_quantized`` takes)."""
+    path = default_model_path() if path is None else path
+    if quantization == "none" or not path.endswith(".gguf"):
+        return False
+    reader, _ = read_gguf(path)
+    return any(len(t.shape) == 2 and keeps_quantized(t.name, t.tensor_type, quantization)
+               for t in reader.tensors)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -19,9 +19,19 @@ the plain PyTorch path is kept otherwise. The choice is logged in one line:
 ``resolve_quantization`` turns the ``quantization`` option into what the
 loader does: ``auto`` keeps GGUF blocks only on a CPU where that kernel builds.
 
-``dtype="auto"`` is bfloat16 where the CPU computes it natively (AVX512_BF16,
-AMX, ARM BF16) and float32 elsewhere; on a GPU it is the checkpoint's own
-dtype (float32 checkpoints run in bfloat16 where the GPU has it, else float16).
+``dtype="auto"`` is the fastest measured for the loaded model on this CPU:
+
+    weights                             auto     why
+    GGUF blocks kept (quantization      float32  the quantized products and the one-call
+    auto/gguf keeps a matmul weight)             decoder take float32 activations; bfloat16
+                                                 was slower even where native (issue 31:
+                                                 113-119 against 201-219 tok/s single stream)
+    floats (HF folder, float GGUF,      bfloat16 where the CPU computes it natively (AVX512_BF16,
+    quantization none)                  float32  AMX, ARM BF16), float32 elsewhere
+
+``CADENCE_RESOLVE_AS`` (``cadence.cpu_features``) makes the second row read
+another machine kind. On a GPU ``auto`` is the checkpoint's own dtype
+(float32 checkpoints run in bfloat16 where the GPU has it, else float16).
 """
 
 from __future__ import annotations
@@ -142,22 +152,51 @@ def resolve_dtype(
     device: torch.device,
     *,
     checkpoint_dtype: torch.dtype | None = None,
+    weights_kept: bool = False,
     features: CpuFeatures | None = None,
     cuda_bf16: bool | None = None,
 ) -> torch.dtype:
-    """The torch dtype for option ``name`` (auto, float32, bfloat16, float16) on ``device``."""
+    """The torch dtype for option ``name`` (auto, float32, bfloat16, float16) on ``device``;
+    ``weights_kept``: the loader keeps some matmul weights in GGUF blocks."""
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"dtype: must be auto or one of {tuple(DTYPES)}, got {name!r}")
         return DTYPES[name]
+    dtype, _ = auto_dtype(device, checkpoint_dtype=checkpoint_dtype, weights_kept=weights_kept,
+                          features=features, cuda_bf16=cuda_bf16)
+    return dtype
+
+
+def auto_dtype(
+    device: torch.device,
+    *,
+    checkpoint_dtype: torch.dtype | None = None,
+    weights_kept: bool = False,
+    features: CpuFeatures | None = None,
+    cuda_bf16: bool | None = None,
+) -> tuple[torch.dtype, str]:
+    """``dtype="auto"`` on ``device``, and why (a phrase for the start-up log)."""
     if device.type == "cuda":
         if cuda_bf16 is None:
             cuda_bf16 = torch.cuda.is_bf16_supported()
-        if checkpoint_dtype in (torch.bfloat16, torch.float16):
-            return checkpoint_dtype if checkpoint_dtype != torch.bfloat16 or cuda_bf16 else torch.float16
-        return torch.bfloat16 if cuda_bf16 else torch.float16
+        return _auto_cuda_dtype(checkpoint_dtype, cuda_bf16)
     features = cpu_features.detect() if features is None else features
-    return torch.bfloat16 if features.native_bf16 else torch.float32
+    if weights_kept:
+        return torch.float32, ("GGUF weights kept in blocks run fastest with float32 activations, "
+                               "even where bfloat16 is native (BENCHMARKS.md)")
+    where = (f"on an {features.resolve_as} CPU ({cpu_features.RESOLVE_AS_ENV})" if features.resolve_as
+             else "on this CPU")
+    if features.defaults_bf16:
+        return torch.bfloat16, f"float weights, and bfloat16 is native {where}"
+    return torch.float32, f"float weights, and bfloat16 is not native {where}"
+
+
+def _auto_cuda_dtype(checkpoint_dtype: torch.dtype | None, cuda_bf16: bool) -> tuple[torch.dtype, str]:
+    if checkpoint_dtype == torch.float16 or (checkpoint_dtype == torch.bfloat16 and cuda_bf16):
+        return checkpoint_dtype, f"the checkpoint's own {_name(checkpoint_dtype)}"
+    if cuda_bf16:
+        return torch.bfloat16, "a float32 (or unknown) checkpoint, in half precision, bfloat16 on this GPU"
+    return torch.float16, "half precision, and this GPU has no bfloat16"
 
 
 def emulation_note(dtype: torch.dtype, features: CpuFeatures) -> str | None:
