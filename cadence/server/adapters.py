@@ -18,7 +18,7 @@ from typing import Any
 
 from cadence.core.request import LoRARequest
 from cadence.engine.async_llm import AsyncLLM
-from cadence.server.errors import ModelNotFound
+from cadence.server.errors import ModelNotFound, quoted
 
 
 class ServedModels:
@@ -54,7 +54,7 @@ class ServedModels:
         """Load and serve an adapter; ValueError (400) for a taken name or a bad adapter."""
         async with self._lock:
             if name == self.base_name or name in self.adapters:
-                raise ValueError(f"lora_name: the adapter {name!r} has already been loaded "
+                raise ValueError(f"lora_name: the adapter '{quoted(name)}' has already been loaded "
                                  "(or names the base model)")
             adapter = LoRARequest(name, next(self._ids), path)
             await self.llm.add_lora(adapter)
@@ -65,5 +65,6 @@ class ServedModels:
         async with self._lock:
             adapter = self.adapters.pop(name, None)
             if adapter is None:
-                raise ModelNotFound(name, "lora_name", f"The lora adapter '{name}' cannot be found.")
+                raise ModelNotFound(name, "lora_name",
+                                    f"The lora adapter '{quoted(name)}' cannot be found.")
             await self.llm.remove_lora(adapter.lora_int_id)

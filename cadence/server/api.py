@@ -40,7 +40,7 @@ from cadence.server.config import ServerConfig, parse_lora_modules
 from cadence.server.errors import error_response, install_error_handlers
 from cadence.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from cadence.server.middleware import (
-    ApiKeyMiddleware, BodyLimitMiddleware, GateMiddleware, RequestGate,
+    ApiKeyMiddleware, BodyLimitMiddleware, GateMiddleware, RequestGate, header_timeout_protocol,
 )
 from cadence.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
@@ -127,12 +127,14 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     app = FastAPI(title="cadence", lifespan=lifespan)
     app.state.cadence = state
     install_error_handlers(app)
-    # The last added runs first: the gate, then the key, then the body's size.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    # The last added runs first: the body's size and time (it sees every answer),
+    # the gate, then the key.
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
                            protect_metrics=config.metrics_require_api_key)
     app.add_middleware(GateMiddleware, gate=state.gate)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       timeout_s=config.request_body_timeout)
     llm, serving = state.llm, state.serving
 
     @app.get("/health")
@@ -209,9 +211,13 @@ class GracefulServer(uvicorn.Server):
     short; a third is uvicorn's own exit. When the engine process dies, its
     requests have failed already: the server lets their errors go out and
     stops with ``exit_code`` 1, so that a supervisor restarts it (as vLLM does).
+
+    Its connections speak uvicorn's HTTP/1.1 protocol with a deadline on each
+    request's headers (--request-header-timeout; ``middleware.py``).
     """
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        config.http = header_timeout_protocol(state.config.request_header_timeout)
         super().__init__(config)
         self.state = state
         self.exit_code = 0

@@ -48,6 +48,16 @@ class ServerConfig:
     max_request_body_bytes: int = option(
         8 * 1024 * 1024, "Largest request body in bytes; a larger one gets HTTP 413 as soon as "
                          "its Content-Length or its bytes so far pass the limit.")
+    # 10 s: headers are a few hundred bytes. uvicorn alone bounds only the idle time
+    # between requests, so 200 connections trickling a byte a second were all held.
+    request_header_timeout: float = option(
+        10.0, "Seconds a client has to send a request's headers, from the connection's "
+              "opening (or the request's first byte on a kept-alive connection); then the "
+              "connection closes, with HTTP 408 if a request had begun.")
+    # 30 s: the largest body (--max-request-body-bytes, 8 MiB) at 280 KB/s.
+    request_body_timeout: float = option(
+        30.0, "Seconds a request's body may take to arrive after its headers; a slower one "
+              "gets HTTP 408 and the connection closes.")
     # 15 s: the drain and the engine's stop (at most 10 s more) fit in Kubernetes'
     # default 30 s grace period. vLLM's --shutdown-timeout defaults to 0 (abort at once).
     shutdown_timeout: float = option(
@@ -73,6 +83,10 @@ class ServerConfig:
         _require(self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
+        for name in ("request_header_timeout", "request_body_timeout"):
+            value = getattr(self, name)
+            _require(0 < value < float("inf"), name, f"must be a positive number of seconds, "
+                                                     f"got {value}")
 
 
 def parse_lora_modules(items: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -13,6 +13,10 @@ Every failure a request can meet maps to one status here:
 A request that names something it cannot have (n above --max-n, more tokens
 than the context holds, more sequences than the server can ever admit) is a
 400; only a request that would fit later gets 429.
+
+An error quotes at most ``MAX_QUOTED_CHARS`` of anything the request sent
+(``quoted``: a model name of 1 MB came back whole in a 404), and no message
+or param is longer than ``MAX_MESSAGE_CHARS``, whatever built it.
 """
 
 from __future__ import annotations
@@ -31,18 +35,28 @@ from cadence.engine.async_llm import EngineDeadError, QueueFullError
 
 ERROR_TYPES = {
     400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-    429: "rate_limit_error", 499: "client_closed_request", 500: "server_error",
+    408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request", 500: "server_error",
     503: "service_unavailable",
 }
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 logger = logging.getLogger("cadence.server")
+MAX_QUOTED_CHARS = 100
+MAX_MESSAGE_CHARS = 2000  # the longest message written here is ~400 characters
+
+
+def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``text`` if it is at most ``limit`` characters, else its first ``limit``
+    and an ellipsis that says how long it was: what an error echoes of a request."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ModelNotFound(Exception):
     """A model (or LoRA adapter) name the server does not serve: 404, ``param`` the field."""
 
     def __init__(self, model: str, param: str = "model", message: str | None = None) -> None:
-        super().__init__(message or f"The model `{model}` does not exist.")
+        super().__init__(message or f"The model `{quoted(model)}` does not exist.")
         self.param = param
 
 
@@ -55,8 +69,10 @@ class ClientGone(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": utf8_safe(message), "type": ERROR_TYPES.get(status, "error"),
-                      "param": utf8_safe(param) if param is not None else None, "code": status}}
+    message = utf8_safe(quoted(message, MAX_MESSAGE_CHARS))
+    param = utf8_safe(quoted(param, MAX_QUOTED_CHARS)) if param is not None else None
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
+                      "param": param, "code": status}}
 
 
 def utf8_safe(text: str) -> str:

@@ -1,23 +1,30 @@
 """Pure ASGI layers in front of the routes, outermost first:
 
+    BodyLimitMiddleware  a body over --max-request-body-bytes gets 413 while it arrives, one
+                         slower than --request-body-timeout 408
     GateMiddleware       counts the requests in flight; while the server drains, new ones get 503
     ApiKeyMiddleware     with --api-key: no ``Authorization: Bearer <key>``, 401
-    BodyLimitMiddleware  a body over --max-request-body-bytes gets 413 while it arrives
 
 They are plain ASGI (no ``BaseHTTPMiddleware``): a refused request costs a
 header check, a streamed response passes through untouched, and a body is
 counted chunk by chunk as the route reads it, never buffered here. Their
 errors have OpenAI's shape (``cadence.server.errors``).
+
+Below them, ``header_timeout_protocol`` gives uvicorn's HTTP protocol a
+deadline on each request's headers (--request-header-timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from typing import Any, Callable
 
+import h11
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cadence.server.errors import error_body
 
@@ -126,61 +133,142 @@ def invalid_api_key_body() -> dict[str, Any]:
     return body
 
 
-# ---------------------------------------------------------------- body size
+# ---------------------------------------------------------------- body size and time
 
 
-class BodyTooLarge(Exception):
-    """Raised from ``receive`` once a body passes the limit."""
+class BodyRefused(Exception):
+    """Raised from ``receive`` once a body passes the size limit or its deadline."""
+
+
+class _GuardedReceive:
+    """The route's ``receive``: counts the body's bytes against ``max_bytes`` and
+    bounds the time until its last byte; after that it is the plain ``receive``
+    (a disconnect watcher may wait on it for as long as the answer takes)."""
+
+    def __init__(self, receive: Receive, max_bytes: int, timeout_s: float | None) -> None:
+        self.receive = receive
+        self.max_bytes = max_bytes
+        loop = asyncio.get_running_loop()
+        self.deadline = None if timeout_s is None else loop.time() + timeout_s
+        self.num_received = 0
+        self.done = False
+        self.refusal: int | None = None  # 413 or 408, once refused
+
+    async def __call__(self) -> Message:
+        if self.done:
+            return await self.receive()
+        if self.deadline is None:
+            message = await self.receive()
+        else:
+            left_s = max(0.0, self.deadline - asyncio.get_running_loop().time())
+            try:
+                message = await asyncio.wait_for(self.receive(), left_s)
+            except asyncio.TimeoutError:
+                self.refusal = 408
+                raise BodyRefused() from None
+        if message["type"] != "http.request":  # the client went away
+            self.done = True
+            return message
+        self.num_received += len(message.get("body", b""))
+        if self.num_received > self.max_bytes:
+            self.refusal = 413
+            raise BodyRefused()
+        self.done = not message.get("more_body", False)
+        return message
 
 
 class BodyLimitMiddleware:
-    """Answers 413 to a body over ``max_bytes``: at once when Content-Length says
-    so, else as soon as the chunks read so far pass the limit. The route never
-    holds more than ``max_bytes`` of a body; uvicorn discards the rest of it."""
+    """A body over ``max_bytes`` gets 413: at once when Content-Length says so,
+    else as soon as the chunks read so far pass the limit; the route never
+    holds more than ``max_bytes`` of a body. A body still arriving
+    ``timeout_s`` after its headers gets 408.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    An answer that goes out before the body was read (a 401, a 404, a 503
+    while draining) closes the connection too: uvicorn would otherwise read
+    and drop the rest of that body for as long as it kept coming, with no
+    deadline. This layer is the outermost, so every answer passes it.
+
+    A 413 or 408 closes the connection. Before a 413 closes it, the rest of
+    the body is read and dropped for up to ``LINGER_S`` (nginx's lingering
+    close): a socket closed with unread bytes sends the client a reset, which
+    may reach it before the 413 does (a chunked upload got a reset, not the
+    413). A 408 goes to a client too slow to be worth waiting for.
+    """
+
+    LINGER_S = 3.0
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        guarded = _GuardedReceive(receive, self.max_bytes, self.timeout_s)
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        num_received = 0
-        too_large = response_started = False
-
-        async def counted_receive() -> Message:
-            nonlocal num_received, too_large
-            message = await receive()
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if num_received > self.max_bytes:
-                    too_large = True
-                    raise BodyTooLarge()
-            return message
+            guarded.refusal = 413
+            return await self._refuse(guarded, send)
+        response_started = False
+        has_body = bool(declared) or _header(scope, b"transfer-encoding") is not None
 
         async def guarded_send(message: Message) -> None:
             nonlocal response_started
-            if too_large:  # the route's answer to its failed read: ours is the 413
+            if guarded.refusal is not None:  # the route's answer to its failed read: ours goes out
                 return
+            if not response_started and has_body and not guarded.done:
+                message = _closing(message)
             response_started = True
             await send(message)
 
         try:
-            await self.app(scope, counted_receive, guarded_send)
+            await self.app(scope, guarded, guarded_send)
         except Exception:
-            if not too_large:
+            if guarded.refusal is None:
                 raise
-        if too_large and not response_started:
-            await self._refuse(scope, receive, send)
+        if guarded.refusal is not None and not response_started:
+            await self._refuse(guarded, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = error_body(413, f"the request body is larger than {self.max_bytes} bytes "
-                               "(--max-request-body-bytes)")
-        body["error"]["type"] = "invalid_request_error"
-        await _answer(scope, receive, send, 413, body)
+    async def _refuse(self, guarded: _GuardedReceive, send: Send) -> None:
+        status = guarded.refusal
+        assert status is not None
+        if status == 413:
+            message = (f"the request body is larger than {self.max_bytes} bytes "
+                       "(--max-request-body-bytes)")
+        else:
+            message = (f"the request body did not arrive within {self.timeout_s:g} s of its "
+                       "headers (--request-body-timeout)")
+        response = JSONResponse(error_body(status, message), status_code=status,
+                                headers={"Connection": "close"})
+        await send({"type": "http.response.start", "status": status,
+                    "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        if status == 413:
+            await _drain(guarded, self.LINGER_S)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drain(guarded: _GuardedReceive, timeout_s: float) -> None:
+    """Read and drop the rest of a refused body, for at most ``timeout_s``."""
+
+    async def read_to_end() -> None:
+        while not guarded.done:
+            message = await guarded.receive()
+            guarded.done = message["type"] != "http.request" or not message.get("more_body")
+
+    try:
+        await asyncio.wait_for(read_to_end(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+
+
+def _closing(start: Message) -> Message:
+    """A response start that closes the connection after the response."""
+    headers = list(start.get("headers", ()))
+    if any(key.lower() == b"connection" for key, _ in headers):
+        return start
+    return {**start, "headers": headers + [(b"connection", b"close")]}
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -189,3 +277,67 @@ def _content_length(scope: Scope) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+# ---------------------------------------------------------------- header time
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline on each request's headers.
+
+    uvicorn bounds only the idle time between requests (``timeout_keep_alive``),
+    and only after a first response: a connection that opens and sends
+    nothing, or trickles its headers a byte a second, was held for as long as
+    it liked. Here a request's headers must be whole ``header_timeout_s``
+    after the connection opened, or after the request's first byte on a
+    kept-alive connection. Past that the connection closes, with a 408 if a
+    request had begun. The body's time is ``BodyLimitMiddleware``'s.
+    """
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # waiting for (the rest of) the headers
+            self._arm_header_timer()
+        else:
+            self._cancel_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:  # part of a request came: say why it ends
+            self.transport.write(_timeout_response(self.header_timeout_s))
+        self.transport.close()
+
+
+def header_timeout_protocol(timeout_s: float) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for ``uvicorn.Config(http=...)``, with this deadline."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": timeout_s})
+
+
+def _timeout_response(timeout_s: float) -> bytes:
+    payload = json.dumps(error_body(408, f"the request headers did not arrive within "
+                                         f"{timeout_s:g} s (--request-header-timeout)")).encode()
+    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n")
+    return head.encode() + payload

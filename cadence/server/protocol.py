@@ -2,12 +2,13 @@
 
 Pydantic checks types; ``SamplingParams`` checks values and raises
 ``ValueError("field: ...")``, which the server answers with HTTP 400 and
-``"param": field``. Unknown fields are ignored, as OpenAI's server does;
-vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
-Fields OpenAI or vLLM define that change the answer but cadence does not
-implement yet (``logit_bias``, beam search, ...) are refused with a 400 when
-set, never silently dropped. Structured outputs come from
-``constraints.py``, tool calls from ``tool_calls.py``.
+``"param": field``. Which fields a body may carry is one rule, in
+``fields.py``: the fields of these models are honoured (vLLM's extensions
+``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt``, ... among them); a
+field of OpenAI's or vLLM's schema that cadence does not honour
+(``logit_bias``, beam search, ...) is refused with a 400 when its value asks
+for something; any other field is ignored and logged once. Structured
+outputs come from ``constraints.py``, tool calls from ``tool_calls.py``.
 
 Values no encoder downstream can take are refused here too, naming the
 field: a lone surrogate (JSON may escape one, ``"\\ud800"``; the tokenizer,
@@ -19,12 +20,14 @@ arguments.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cadence.sampling_params import SamplingParams, StructuredOutputParams
 from cadence.server.constraints import requested_constraint
+from cadence.server.errors import quoted
+from cadence.server.fields import check_fields
 from cadence.server.tool_calls import check_tools, forced_call_constraint
 
 MAX_LOGPROBS = 20
@@ -69,27 +72,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# Known fields not implemented yet -> the value that asks for nothing (a
-# request giving another value is refused). None stands for "absent or null".
-_NOT_YET_SUPPORTED: dict[str, Any] = {
-    "logit_bias": None, "prediction": None, "audio": None, "web_search_options": None,
-    "functions": None, "function_call": None, "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "use_beam_search": False, "length_penalty": None, "bad_words": None,
-    "allowed_token_ids": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
-    "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
-    "lora_request": None, "mm_processor_kwargs": None,
-}
-# Why a field of _NOT_YET_SUPPORTED is refused, where "not supported yet" would mislead.
-_REFUSAL_REASONS = {
-    "lora_request": "not accepted in a request body: name a served LoRA adapter in the model "
-                    "field (GET /v1/models lists them)",
-}
-_CHAT_NOT_YET_SUPPORTED: dict[str, Any] = {
-    "echo": False, "continue_final_message": False, "documents": None, "chat_template": None,
-}
-
-
 def refuse_lone_surrogates(data: Any) -> None:
     """Raise ``ValueError("messages.0.content: ...")`` for the first string in the
     body that holds a lone surrogate. Iterative: the body may nest deeply."""
@@ -110,26 +92,22 @@ def refuse_lone_surrogates(data: Any) -> None:
             stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
 
 
-def _refuse_unsupported(data: Any, table: dict[str, Any]) -> None:
-    if not isinstance(data, dict):
-        return
-    for name, neutral in table.items():
-        value = data.get(name)
-        if value is None or value == neutral or value in ({}, []):
-            continue
-        raise ValueError(f"{name}: {_REFUSAL_REASONS.get(name, 'not supported yet')}")
+class RequestBody(BaseModel):
+    """A route's body: its fields are the honoured ones of ``fields.py``'s rule,
+    which refuses what OpenAI or vLLM define and cadence does not honour."""
 
-
-class _Sampling(BaseModel):
-    """Fields both endpoints share."""
-
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # unknown fields: logged once by the rule
+    ROUTE: ClassVar[str]
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_not_yet_supported(cls, data: Any) -> Any:
-        _refuse_unsupported(data, _NOT_YET_SUPPORTED)
+    def _apply_the_field_rule(cls, data: Any) -> Any:
+        check_fields(cls.ROUTE, data, cls.model_fields)
         return data
+
+
+class _Sampling(RequestBody):
+    """Fields both endpoints share."""
 
     @model_validator(mode="before")
     @classmethod
@@ -171,6 +149,8 @@ class _Sampling(BaseModel):
     # vLLM's, for a KV connector (prefill/decode disaggregation); refused by a
     # server whose engine has no connector that reads it.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: cached prefix blocks are shared only between equal salts.
+    cache_salt: str | None = None
 
     def constraint(self) -> tuple[str, StructuredOutputParams] | None:
         """(the field it came from, the output constraint) of this request, if any."""
@@ -188,7 +168,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=structured,
+            structured_outputs=structured, cache_salt=self.cache_salt,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -206,18 +186,13 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(_Sampling):
+    ROUTE = "completions"
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo: not supported")
-        if self.suffix:
-            raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: not supported (use n)")
         constraint = self.constraint()
@@ -272,7 +247,8 @@ class ChatMessage(BaseModel):
         elif isinstance(self.content, list):
             for part in self.content:
                 if part.type != "text":
-                    raise ValueError(f"messages: content parts of type {part.type!r} are not supported")
+                    raise ValueError(f"messages: content parts of type {quoted(repr(part.type))} "
+                                     "are not supported")
             message["content"] = "".join(part.text or "" for part in self.content)
         return message
 
@@ -292,6 +268,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 class ChatCompletionRequest(_Sampling):
+    ROUTE = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -302,12 +279,6 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_chat_not_yet_supported(cls, data: Any) -> Any:
-        _refuse_unsupported(data, _CHAT_NOT_YET_SUPPORTED)
-        return data
 
     @model_validator(mode="after")
     def _check_conversation(self) -> "ChatCompletionRequest":
@@ -351,12 +322,15 @@ class ChatCompletionRequest(_Sampling):
         return [message.as_template_input() for message in self.messages]
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(RequestBody):
+    """POST /tokenize: a prompt, or messages rendered by the chat template (vLLM's
+    two bodies in one)."""
+
+    ROUTE = "tokenize"
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # the prompt's; the chat template adds its own
     add_generation_prompt: bool = True
 
     @model_validator(mode="before")
@@ -369,26 +343,30 @@ class TokenizeRequest(BaseModel):
     def _check_conversation(self) -> "TokenizeRequest":
         if self.messages is not None:
             check_contents(self.messages)
+            if self.add_special_tokens and "add_special_tokens" in self.model_fields_set:
+                raise ValueError("add_special_tokens: with messages, the chat template adds the "
+                                 "special tokens (only false is honoured)")
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(RequestBody):
+    ROUTE = "detokenize"
     model: str | None = None
     tokens: list[int]
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestBody):
     """POST /v1/load_lora_adapter (with --allow-runtime-lora-updating), as vLLM's."""
 
-    model_config = ConfigDict(extra="ignore")
+    ROUTE = "load_lora_adapter"
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    """POST /v1/unload_lora_adapter; ``lora_int_id`` is accepted (vLLM's field) and unused."""
+class UnloadLoRAAdapterRequest(RequestBody):
+    """POST /v1/unload_lora_adapter: the adapter is found by its name; vLLM's
+    ``lora_int_id`` is accepted and not needed."""
 
-    model_config = ConfigDict(extra="ignore")
+    ROUTE = "unload_lora_adapter"
     lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cadence.sampling_params import StructuredOutputParams
+from cadence.server.errors import quoted
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -57,9 +58,10 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> tuple[l
         if not isinstance(name, str):
             raise ValueError('tool_choice: a named choice is {"type": "function", "function": {"name": ...}}')
         if name not in {f["name"] for f in functions}:
-            raise ValueError(f"tool_choice: no tool named {name!r} in tools")
+            raise ValueError(f"tool_choice: no tool named {quoted(repr(name))} in tools")
     elif tool_choice not in ("none", "auto", "required"):
-        raise ValueError(f"tool_choice: must be none, auto, required or a named function, got {tool_choice!r}")
+        raise ValueError("tool_choice: must be none, auto, required or a named function, "
+                         f"got {quoted(repr(tool_choice))}")
     elif tool_choice in ("auto", "required") and not functions:
         raise ValueError(f"tool_choice: {tool_choice!r} needs tools")
     return functions, tool_choice

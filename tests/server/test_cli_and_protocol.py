@@ -11,7 +11,7 @@ import pytest
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
-from cadence.core.request import FinishReason
+from cadence.core.request import FinishReason, Request
 from cadence.engine import wire
 from cadence.sampling_params import SamplingParams
 from cadence.server.bench import arrival_gaps, percentiles
@@ -63,8 +63,9 @@ def test_completion_parameter_mapping():
     assert CompletionRequest(prompt=[5, 6]).prompts() == [[5, 6]]
     with pytest.raises(ValueError, match="^logprobs:"):
         CompletionRequest(prompt="x", logprobs=21).to_sampling_params()
-    with pytest.raises(ValueError, match="^echo:"):
-        CompletionRequest(prompt="x", echo=True).to_sampling_params()
+    with pytest.raises(ValueError, match="echo: not supported"):  # fields.py's rule
+        CompletionRequest(prompt="x", echo=True)
+    assert CompletionRequest(prompt="x", cache_salt="s").to_sampling_params().cache_salt == "s"
 
 
 def test_field_of():
@@ -74,11 +75,13 @@ def test_field_of():
 
 
 def test_wire_roundtrip():
-    params = SamplingParams(n=2, stop=["x"], logprobs=1, seed=3)
+    params = SamplingParams(n=2, stop=["x"], logprobs=1, seed=3, cache_salt="tenant")
     request = wire.EngineCoreRequest("r", [1, 2, 3], params, 2, 123.0, priority=1)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=wire.EngineCoreRequest)
     core_request = decoded.to_request(max_model_len=10)
     assert core_request.sampling_params == params and core_request.priority == 1
+    assert core_request.extra_hash_key == Request("u", [1], params).extra_hash_key  # the salt crossed
+    assert core_request.extra_hash_key != Request("u", [1], SamplingParams()).extra_hash_key
     assert core_request.max_tokens == 7 and core_request.eos_token_id == 2
     outputs = EngineCoreOutputs(
         outputs=[EngineCoreOutput("r", [4], FinishReason.LENGTH,

@@ -1,0 +1,175 @@
+"""One rule for request fields, in one place.
+
+Every top-level field of a request body is one of:
+
+    honoured   a field of the route's body model in ``protocol.py``: it does
+               what the README's "HTTP API" section says
+    refused    a field of OpenAI's or vLLM's schema for the route that cadence
+               does not honour (``NOT_HONOURED``): a 400 naming it, unless its
+               value asks for nothing (null, empty, or a listed neutral value,
+               e.g. ``use_beam_search: false``), so a client that sends the
+               schema's defaults is served and none is silently misled
+    unknown    in neither schema: ignored, and logged once per field name per
+               process (as vLLM does)
+
+A few schema fields are hints whose purpose cadence serves without them
+(``ANY_VALUE``: ``prompt_cache_key``, cadence's prefix cache needs no key):
+they are accepted with any value and listed in the README as such. Later
+fields join the body models (honoured) or this table, and the README's list.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from cadence.server.errors import quoted
+
+logger = logging.getLogger("cadence.server")
+
+# Distinct unknown names logged per process; the rest are counted only (a
+# client sending ever new names must not grow the set, or the log, forever).
+MAX_LOGGED_UNKNOWN_FIELDS = 64
+ANY_VALUE = object()  # a NotHonoured.neutral that accepts every value
+
+
+@dataclass(frozen=True)
+class NotHonoured:
+    """A schema field cadence does not honour: the values that ask for nothing
+    besides null, {} and [] (``neutral``), and why any other is refused (the
+    400 says "not supported yet", or "not supported: <why>")."""
+
+    neutral: tuple[Any, ...] | object = ()
+    why: str | None = None
+
+    @property
+    def reason(self) -> str:
+        return f"not supported: {self.why}" if self.why else "not supported yet"
+
+    def refuses(self, value: Any) -> bool:
+        if self.neutral is ANY_VALUE or value is None or value in ({}, [], ""):
+            return False
+        return not any(value == neutral for neutral in self.neutral)  # type: ignore[union-attr]
+
+
+_NO_STORE = "cadence stores no completions"
+_HINT = NotHonoured(ANY_VALUE)  # a hint for a provider's cache or monitoring: cadence needs none
+
+# Both generation routes: OpenAI's and vLLM's sampling fields cadence lacks.
+_GENERATION = {
+    "logit_bias": NotHonoured(),
+    "use_beam_search": NotHonoured((False,)),
+    "length_penalty": NotHonoured((1, 1.0), "only for beam search, which cadence does not do"),
+    "bad_words": NotHonoured(),
+    "allowed_token_ids": NotHonoured(),
+    "prompt_logprobs": NotHonoured(),
+    "truncate_prompt_tokens": NotHonoured(),
+    "spaces_between_special_tokens": NotHonoured((True,)),
+    "return_tokens_as_token_ids": NotHonoured((False,)),
+    "return_token_ids": NotHonoured((False,)),
+    "logits_processors": NotHonoured(),
+    "vllm_xargs": NotHonoured(),
+    "max_repetition_pattern_size": NotHonoured((0,)),
+    "min_repetition_pattern_size": NotHonoured((0,)),
+    "repetition_min_count": NotHonoured((0,)),
+    "request_id": NotHonoured(why="the server names each request itself (the response's id)"),
+    "guided_decoding_backend": NotHonoured(
+        why="the grammar backend is the server's (--structured-outputs-backend)"),
+    "guided_whitespace_pattern": NotHonoured(),
+    "structural_tag": NotHonoured(),
+    "mm_processor_kwargs": NotHonoured(),
+    "media_io_kwargs": NotHonoured(),
+    "lora_request": NotHonoured(why="in a request body; name a served LoRA adapter in the "
+                                    "model field (GET /v1/models lists them)"),
+}
+
+NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
+    "chat": {
+        **_GENERATION,
+        # OpenAI's
+        "audio": NotHonoured(why="cadence serves text models"),
+        "modalities": NotHonoured((["text"],), "cadence serves text models"),
+        "functions": NotHonoured(why="use tools"),
+        "function_call": NotHonoured(("none", "auto"), "use tools and tool_choice"),
+        "prediction": NotHonoured(),
+        "web_search_options": NotHonoured(),
+        "reasoning_effort": NotHonoured(),
+        "verbosity": NotHonoured(),
+        "moderation": NotHonoured(),
+        "store": NotHonoured((False,), _NO_STORE),
+        "metadata": _HINT,
+        "service_tier": NotHonoured(("auto", "default"), "cadence has one tier, auto"),
+        "safety_identifier": _HINT,
+        "prompt_cache_key": _HINT,
+        "prompt_cache_retention": _HINT,
+        "prompt_cache_options": _HINT,
+        # vLLM's
+        "echo": NotHonoured((False,)),
+        "continue_final_message": NotHonoured((False,)),
+        "documents": NotHonoured(),
+        "chat_template": NotHonoured(why="the model's own chat template is used"),
+        "include_reasoning": NotHonoured((True,), "cadence has no reasoning parser"),
+        "add_special_tokens": NotHonoured((False,), "the chat template adds the special tokens"),
+    },
+    "completions": {
+        **_GENERATION,
+        "echo": NotHonoured((False,)),
+        "suffix": NotHonoured(),
+        "prompt_embeds": NotHonoured(),
+        "add_special_tokens": NotHonoured((True,), "the prompt always gets the tokenizer's "
+                                                   "special tokens"),
+    },
+    "tokenize": {
+        "return_token_strs": NotHonoured((False,)),
+        "continue_final_message": NotHonoured((False,)),
+        "chat_template": NotHonoured(why="the model's own chat template is used"),
+        "chat_template_kwargs": NotHonoured(),
+        "tools": NotHonoured(),
+        "mm_processor_kwargs": NotHonoured(),
+        "media_io_kwargs": NotHonoured(),
+    },
+    "detokenize": {},
+    "load_lora_adapter": {"load_inplace": NotHonoured((False,))},
+    "unload_lora_adapter": {},
+}
+
+
+def check_fields(route: str, data: Any, honoured: Iterable[str]) -> None:
+    """Apply the rule to a body's top-level fields: ValueError ("field: ...",
+    a 400) for the first refused one; unknown ones are logged once and left to
+    the body model, which ignores them."""
+    if not isinstance(data, dict):
+        return  # not an object: the body model says so
+    table = NOT_HONOURED[route]
+    honoured = set(honoured)
+    for name, value in data.items():
+        if name in honoured:
+            continue
+        rule = table.get(name)
+        if rule is None:
+            log_unknown_field(route, name)
+        elif rule.refuses(value):
+            raise ValueError(f"{name}: {rule.reason}")
+
+
+_logged_unknown: set[str] = set()
+_num_unlogged_unknown = 0
+
+
+def log_unknown_field(route: str, name: Any) -> None:
+    """One log line per unknown field name per process (at most
+    ``MAX_LOGGED_UNKNOWN_FIELDS`` names, then one line saying so)."""
+    global _num_unlogged_unknown
+    name = quoted(str(name))
+    if name in _logged_unknown:
+        return
+    if len(_logged_unknown) >= MAX_LOGGED_UNKNOWN_FIELDS:
+        if _num_unlogged_unknown == 0:
+            logger.warning("cadence: %d unknown request fields logged; further ones are ignored "
+                           "without a word", MAX_LOGGED_UNKNOWN_FIELDS)
+        _num_unlogged_unknown += 1
+        return
+    _logged_unknown.add(name)
+    logger.warning("cadence: the request field %r (/%s) is in neither OpenAI's nor vLLM's "
+                   "schema: ignored (logged once)", name, route)
