@@ -28,8 +28,8 @@ from cadence.server.errors import quoted
 
 logger = logging.getLogger("cadence.server")
 
-# Distinct unknown names logged per process; the rest are counted only (a
-# client sending ever new names must not grow the set, or the log, forever).
+# Distinct unknown names logged per process (a client sending ever new names
+# must not grow the set, or the log, forever).
 MAX_LOGGED_UNKNOWN_FIELDS = 64
 ANY_VALUE = object()  # a NotHonoured.neutral that accepts every value
 
@@ -154,22 +154,18 @@ def check_fields(route: str, data: Any, honoured: Iterable[str]) -> None:
 
 
 _logged_unknown: set[str] = set()
-_num_unlogged_unknown = 0
 
 
 def log_unknown_field(route: str, name: Any) -> None:
     """One log line per unknown field name per process (at most
     ``MAX_LOGGED_UNKNOWN_FIELDS`` names, then one line saying so)."""
-    global _num_unlogged_unknown
     name = quoted(str(name))
-    if name in _logged_unknown:
-        return
-    if len(_logged_unknown) >= MAX_LOGGED_UNKNOWN_FIELDS:
-        if _num_unlogged_unknown == 0:
-            logger.warning("cadence: %d unknown request fields logged; further ones are ignored "
-                           "without a word", MAX_LOGGED_UNKNOWN_FIELDS)
-        _num_unlogged_unknown += 1
+    if name in _logged_unknown or len(_logged_unknown) > MAX_LOGGED_UNKNOWN_FIELDS:
         return
     _logged_unknown.add(name)
-    logger.warning("cadence: the request field %r (/%s) is in neither OpenAI's nor vLLM's "
+    if len(_logged_unknown) > MAX_LOGGED_UNKNOWN_FIELDS:  # the set stops growing here
+        logger.warning("cadence: %d unknown request fields logged; further ones are ignored "
+                       "without a word", MAX_LOGGED_UNKNOWN_FIELDS)
+        return
+    logger.warning("cadence: the field %r of a %s request is in neither OpenAI's nor vLLM's "
                    "schema: ignored (logged once)", name, route)

@@ -21,6 +21,7 @@ import openai
 import pytest
 from fastapi import FastAPI, Request
 
+from cadence.server import fields
 from cadence.server.config import ServerConfig
 from cadence.server.fields import ANY_VALUE, NOT_HONOURED
 from cadence.server.middleware import BodyLimitMiddleware
@@ -342,3 +343,17 @@ def test_the_field_table_names_only_fields_with_a_reason():
         for name, rule in table.items():
             assert rule.reason, (route, name)
             assert rule.neutral is ANY_VALUE or isinstance(rule.neutral, tuple)
+
+
+def test_unknown_field_names_are_logged_once_each_and_boundedly(caplog, monkeypatch):
+    monkeypatch.setattr(fields, "_logged_unknown", set())
+    with caplog.at_level("WARNING", logger="cadence.server"):
+        for _ in range(3):
+            CompletionRequest(prompt="x", some_field=1)
+        assert len(caplog.records) == 1 and "'some_field'" in caplog.records[0].getMessage()
+        for i in range(fields.MAX_LOGGED_UNKNOWN_FIELDS * 2):
+            CompletionRequest(prompt="x", **{f"field_{i}" + "y" * 1000: 1})
+    assert len(fields._logged_unknown) == fields.MAX_LOGGED_UNKNOWN_FIELDS + 1
+    assert len(caplog.records) == fields.MAX_LOGGED_UNKNOWN_FIELDS + 1  # the last says so
+    assert "further ones are ignored" in caplog.records[-1].getMessage()
+    assert max(len(r.getMessage()) for r in caplog.records) < 400
