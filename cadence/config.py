@@ -473,12 +473,34 @@ class EngineConfig:
         "llguidance", "Grammar engine of structured outputs (JSON schema, regex, choice, "
         "grammar): llguidance, or xgrammar when installed."
     )
+    # The limits below bound what one request's constraint may cost the grammar
+    # library; a request over one gets a 400 naming its field and the option.
+    structured_outputs_max_bytes: int = option(
+        1048576, "Largest output constraint a request may carry, in UTF-8 bytes (a JSON schema, "
+        "a regex, a grammar, or a choice list's strings together)."
+    )
+    structured_outputs_max_rules: int = option(
+        2000, "Most rules (and terminals) a request's grammar may define (Lark or GBNF)."
+    )
+    structured_outputs_max_choices: int = option(
+        20000, "Most strings in a request's choice list."
+    )
+    structured_outputs_compile_timeout_s: float = option(
+        10.0, "Longest a request's constraint may take to compile and check; the check runs "
+        "in a worker process, so a slower one (or one that crashes the grammar library) is "
+        "refused with a 400 and the server goes on."
+    )
 
     def __post_init__(self) -> None:
         _require(self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
                  "structured_outputs_backend",
                  f"must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                  f"got {self.structured_outputs_backend!r}")
+        for name in ("structured_outputs_max_bytes", "structured_outputs_max_rules",
+                     "structured_outputs_max_choices"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require(self.structured_outputs_compile_timeout_s > 0, "structured_outputs_compile_timeout_s",
+                 f"must be > 0, got {self.structured_outputs_compile_timeout_s}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.quantization in QUANTIZATIONS, "quantization",
                  f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")

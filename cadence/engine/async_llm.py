@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 import zmq
 import zmq.asyncio
 
-from cadence.config import EngineOptions
+from cadence.config import EngineConfig, EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
 from cadence.core.request import LoRARequest, Request
 from cadence.engine.core_proc import start_engine_process
@@ -43,7 +43,7 @@ from cadence.engine.wire import (
 )
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
-from cadence.structured import GrammarBackendBase, make_grammar_backend
+from cadence.structured import GrammarLimits, IsolatedGrammarChecker
 
 logger = logging.getLogger("cadence.async_llm")
 
@@ -239,9 +239,11 @@ class AsyncLLM:
         self._folder, input_address, output_address = new_ipc_addresses()
         self._slo_defaults: tuple[float | None, float | None] = (None, None)  # see start
         self._grammar_backend_name = "llguidance"  # see start
+        self._grammar_limits = GrammarLimits.of(EngineConfig())  # see start
         # Whether the engine may refuse a request after it was sent (--slo-reject).
         self.refuses_under_load = False
-        self._grammars: GrammarBackendBase | None = None  # checks grammars before they are sent
+        # Checks grammars before they are sent, in a worker process (a crash there is one 400).
+        self._grammars: IsolatedGrammarChecker | None = None
         # Checks a request's kv_transfer_params (None: the engine's connector reads none).
         self._kv_transfer_check: Callable[[Any], None] | None = None  # see start
         # Sends go through a plain socket: a PUSH with no high-water mark never
@@ -281,6 +283,7 @@ class AsyncLLM:
         engine builds; the weights live in the engine process) and wait for the handshake."""
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
+        self._grammar_limits = GrammarLimits.of(options.engine)
         self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
         self._kv_transfer_check = kv_transfer_params_checker(options.kv_transfer)
         if scheduler.policy == "slo":
@@ -310,7 +313,8 @@ class AsyncLLM:
             if await self._output.poll(200):
                 self._dispatch(await self._output.recv_multipart())
         self._output_task = asyncio.create_task(self._output_loop(), name="cadence-engine-outputs")
-        self._grammars = make_grammar_backend(self._grammar_backend_name, tokenizer, self.info.vocab_size)
+        self._grammars = IsolatedGrammarChecker(self._grammar_backend_name, tokenizer, self.info.vocab_size,
+                                                self._grammar_limits)
         return self.info
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -332,6 +336,8 @@ class AsyncLLM:
             self._output_task.cancel()
         self._fail_all(self._dead)
         self._report_engine_gone()
+        if self._grammars is not None:
+            self._grammars.close()
         self._ctx.destroy(linger=0)
         self._send_ctx.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
@@ -401,8 +407,10 @@ class AsyncLLM:
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Raise ValueError (HTTP 400) naming what in ``params.structured_outputs``
-        cannot compile. Compiling may take a while for a large schema: a server
-        calls this in a worker thread first; ``add_request`` then hits the cache."""
+        is over a limit, cannot compile or can never be satisfied. The grammar
+        library runs in a worker process and may take up to the compile timeout:
+        a server calls this in a worker thread first; ``add_request`` then hits
+        the cache."""
         if params.structured_outputs is not None and self._grammars is not None:
             self._grammars.check(params.structured_outputs)
 

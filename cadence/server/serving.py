@@ -115,6 +115,7 @@ class OpenAIServing:
                 "model": model}
         extra = {"usage": None} if include_usage else {}
         async for i, output in merge(streams):
+            raise_if_failed(output)
             finals[i] = output
             for c in output.outputs:
                 delta = deltas.setdefault((i, c.index), TextDelta())
@@ -206,6 +207,7 @@ class OpenAIServing:
                     "logprobs": None, "finish_reason": None}
             yield sse({**head, "choices": [role], **extra})
         async for output in stream:
+            raise_if_failed(output)
             final = output
             for c in output.outputs:
                 delta = deltas[c.index]
@@ -366,7 +368,7 @@ def event_stream(chunks: AsyncIterator[str], streams: list[RequestStream]) -> St
         try:
             async for chunk in chunks:
                 yield chunk
-        except EngineDeadError as err:
+        except (EngineDeadError, GenerationFailed) as err:
             yield sse(error_body(500, f"generation failed: {err}"))
             yield SSE_DONE  # as vLLM: the error event, then the stream's usual end
         except ValueError as err:
@@ -422,6 +424,7 @@ async def collect(streams: list[RequestStream], raw: Request) -> list[RequestOut
 
     async def consume() -> None:
         async for i, output in merge(streams):
+            raise_if_failed(output)
             finals[i] = output
 
     consumer = asyncio.create_task(consume())
@@ -440,6 +443,16 @@ async def collect(streams: list[RequestStream], raw: Request) -> list[RequestOut
         watcher.cancel()
         for stream in streams:
             stream.close()
+
+
+def raise_if_failed(output: RequestOutput) -> None:
+    """GenerationFailed (a 500 naming the cause) for a sequence that the engine
+    ended with a reason, e.g. a grammar the library failed on in the engine:
+    "abort" is not a finish reason of OpenAI's, and the output breaks its
+    constraint. (A request that a client aborts carries no reason.)"""
+    for c in output.outputs:
+        if c.finish_reason == "abort" and isinstance(c.stop_reason, str) and c.stop_reason:
+            raise GenerationFailed(c.stop_reason[:500])
 
 
 async def wait_for_disconnect(receive: Callable[[], Any]) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from cadence.config import STRUCTURED_OUTPUTS_BACKENDS
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import StructuredOutputParams
+from cadence.structured.limits import unsatisfiable_schema_reason
 
 if TYPE_CHECKING:
     import torch
@@ -34,21 +35,30 @@ def fill_threads() -> int:
 # Compiled grammars kept per backend (a key is the request's whole constraint).
 COMPILE_CACHE_SIZE = 256
 ANY_JSON_OBJECT = '{"type": "object"}'
+# Tokens a check walks from a grammar's start (see ``GrammarBackendBase._probe``).
+PROBE_STEPS = 8
+# Characters of a grammar library's own message kept in an error (its first line).
+MAX_LIBRARY_MESSAGE = 300
 
 
 def make_grammar_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> "GrammarBackendBase":
     """The backend ``name`` over ``tokenizer``; masks are ``vocab_size`` wide (the logits')."""
+    check_backend_available(name)
+    if name == "xgrammar":
+        from cadence.structured.xgrammar_backend import XGrammarBackend
+        return XGrammarBackend(tokenizer, vocab_size)
+    from cadence.structured.llguidance_backend import LLGuidanceBackend
+    return LLGuidanceBackend(tokenizer, vocab_size)
+
+
+def check_backend_available(name: str) -> None:
+    """ValueError naming the option unless backend ``name`` exists and is installed."""
     if name not in STRUCTURED_OUTPUTS_BACKENDS:
         raise ValueError(f"structured_outputs_backend: must be one of "
                          f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {name!r}")
     if importlib.util.find_spec(name) is None:
         raise ValueError(f"structured_outputs_backend: {name} is not installed "
                          f"(pip install {name})")
-    if name == "xgrammar":
-        from cadence.structured.xgrammar_backend import XGrammarBackend
-        return XGrammarBackend(tokenizer, vocab_size)
-    from cadence.structured.llguidance_backend import LLGuidanceBackend
-    return LLGuidanceBackend(tokenizer, vocab_size)
 
 
 class GrammarBackendBase:
@@ -82,15 +92,27 @@ class GrammarBackendBase:
         """A fresh per-request matcher over a compiled form."""
         raise NotImplementedError
 
+    def _probe(self, state: Any, compiled: Any, params: StructuredOutputParams) -> None:
+        """Walk a few tokens from the start of a fresh matcher; ValueError naming
+        the field if no output at all satisfies the constraint (nothing but a stop
+        is allowed where the empty output is not accepted), or if the library
+        fails on the way (a limit it hits, which a request would hit too)."""
+
     # ---- the protocol ----------------------------------------------------
 
     def compile(self, params: StructuredOutputParams) -> Any:
         """A new grammar for one request; ``ValueError`` naming the field if it cannot be."""
         return self._new_grammar(self._tables(), self._cached(params))
 
+    def prepare(self) -> None:
+        """Build the tokenizer-dependent tables now rather than in the first compile."""
+        self._tables()
+
     def check(self, params: StructuredOutputParams) -> None:
-        """Raise ``ValueError`` if ``params`` cannot compile (the result is cached)."""
-        self._cached(params)
+        """Raise ``ValueError`` if ``params`` cannot compile (the compiled form is
+        cached) or nothing satisfies it. The grammar library runs here: a server
+        calls this in a worker process (``isolated.py``), not in its own."""
+        self._probe(self._tables(), self._cached(params), params)
 
     def fill_bitmask_rows(self, grammars: list[Any], rows: list[int], bitmask: "torch.Tensor") -> None:
         """Each grammar's mask into its row (a backend with a parallel filler overrides this)."""
@@ -118,11 +140,11 @@ class GrammarBackendBase:
                 self._compiled.move_to_end(key)
         if hit is None:
             try:
-                hit = (True, self._compile_source(self._tables(), params))
+                hit = (True, self._compile(params))
             except ValueError as err:
                 hit = (False, str(err))
             except Exception as err:  # a backend's own error type: still the input's fault
-                hit = (False, f"structured_outputs.{params.kind}: {err}".strip())
+                hit = (False, f"structured_outputs.{params.kind}: {library_message(str(err))}")
             with self._lock:
                 self._compiled[key] = hit
                 if len(self._compiled) > COMPILE_CACHE_SIZE:
@@ -131,6 +153,28 @@ class GrammarBackendBase:
         if not ok:
             raise ValueError(value)
         return value
+
+    def _compile(self, params: StructuredOutputParams) -> Any:
+        if params.kind == "json":  # before the library: it takes a $ref cycle without a word
+            reason = unsatisfiable_schema_reason(parse_schema(params))
+            if reason is not None:
+                raise ValueError(f"structured_outputs.json: {reason}")
+        return self._compile_source(self._tables(), params)
+
+
+def reraise_unless_library_failure(err: BaseException) -> None:
+    """Raise ``err`` again unless it is a grammar library's failure, which ends
+    one request: any exception, and a Rust panic (pyo3 raises those as a
+    ``BaseException``); an interrupt or an exit goes on up."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise err
+
+
+def library_message(text: str) -> str:
+    """A grammar library's message without the state dump or backtrace it may
+    append (``<state>``, ``<backtrace>``...), and bounded: what a client reads."""
+    head = text.split("\n<", 1)[0].strip()
+    return head if len(head) <= MAX_LIBRARY_MESSAGE else head[:MAX_LIBRARY_MESSAGE] + "..."
 
 
 def choice_alternatives(choices: tuple[str, ...], rule: Callable[[str], str]) -> str:

@@ -10,7 +10,7 @@ import xgrammar
 from cadence.sampling_params import StructuredOutputParams
 from cadence.structured.backend import (
     ANY_JSON_OBJECT, PARALLEL_FILL_MIN_ROWS, GrammarBackendBase, choice_alternatives, fill_threads, is_gbnf,
-    parse_schema,
+    parse_schema, reraise_unless_library_failure,
 )
 
 COMPILE_THREADS = 2
@@ -66,6 +66,14 @@ class XGrammarBackend(GrammarBackendBase):
     def _new_grammar(self, compiler: Any, compiled: xgrammar.CompiledGrammar) -> "XGrammarGrammar":
         return XGrammarGrammar(xgrammar.GrammarMatcher(compiled))
 
+    def _probe(self, compiler: Any, compiled: xgrammar.CompiledGrammar, params: StructuredOutputParams) -> None:
+        # xgrammar's masks allow only tokens that lead somewhere, a stop where the
+        # output may end: a first mask allowing nothing means nothing satisfies it.
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"structured_outputs.{params.kind}: no output satisfies this constraint")
+
 
 def _message(err: RuntimeError) -> str:
     """xgrammar's message without its C++ source location prefix."""
@@ -83,19 +91,28 @@ class XGrammarGrammar:
         self.matcher = matcher
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        for i, token in enumerate(token_ids):
-            if not self.matcher.accept_token(token):
-                self.rollback(i)  # as before the call
-                return False
-        return True
+        # A failure inside the library refuses: it ends this request, not the engine.
+        try:
+            for i, token in enumerate(token_ids):
+                if not self.matcher.accept_token(token):
+                    self.rollback(i)  # as before the call
+                    return False
+            return True
+        except BaseException as err:
+            reraise_unless_library_failure(err)
+            return False
 
     def validate_tokens(self, token_ids: list[int]) -> list[int]:
         num_valid = 0
-        for token in token_ids:
-            if not self.matcher.accept_token(token):
-                break
-            num_valid += 1
-        self.rollback(num_valid)
+        try:
+            for token in token_ids:
+                if not self.matcher.accept_token(token):
+                    break
+                num_valid += 1
+            self.rollback(num_valid)
+        except BaseException as err:
+            reraise_unless_library_failure(err)
+            return []
         return token_ids[:num_valid]
 
     def rollback(self, num_tokens: int) -> None:

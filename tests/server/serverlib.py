@@ -36,12 +36,13 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def engine_pid(self) -> int:
-        """The engine-core process: the server's spawned child."""
-        for pid in _children(self.process.pid):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                return pid
-        raise RuntimeError("no engine-core process under the server")
+        """The engine-core process: the server's first spawned child (a grammar
+        checker's worker, spawned on the first structured request, comes later)."""
+        spawned = [pid for pid in _children(self.process.pid)
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        if not spawned:
+            raise RuntimeError("no engine-core process under the server")
+        return min(spawned, key=_start_time)
 
     def metrics(self, label: str = "") -> dict[str, float]:
         """Sample values of /metrics by name, summed over labels; only the samples
@@ -72,6 +73,12 @@ def _children(pid: int) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             children.append(int(entry.name))
     return children
+
+
+def _start_time(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (field 22 of /proc/pid/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def free_port() -> int:

@@ -6,16 +6,24 @@ manager asks every scheduled grammar for its allowed-token mask; the runner
 applies the mask to the logits. After sampling, accepted tokens advance the
 grammar; a grammar that reached its end stops the request.
 
+The grammar library is native code a request drives: an exception (or a
+Rust panic) while a grammar fills its mask ends that request, never the
+step. The failed grammar refuses every token from then on, so the request
+is aborted when its next token is absorbed.
+
 The grammar backend (e.g. xgrammar) lives outside ``cadence.core``; this
 module only fixes the protocol it implements.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from cadence.core.request import Request
+
+logger = logging.getLogger("cadence.structured")
 
 
 class Grammar(Protocol):
@@ -40,18 +48,42 @@ class GrammarBackend(Protocol):
         ...
 
 
+class RefusingGrammar:
+    """What a grammar becomes once the library failed inside it: it refuses every token."""
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        return False
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        return []
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        pass  # the row stays as allocated; the token sampled there is refused
+
+    def is_terminated(self) -> bool:
+        return False
+
+
 class StructuredOutputRequest:
     """A request's grammar, available once compilation finished."""
 
     def __init__(self, future: Future) -> None:
         self._future = future
+        self._runtime_error = ""  # see fail
 
     @property
     def grammar(self) -> Grammar | None:
         """The compiled grammar; None while compiling or if compilation failed."""
         if not self._future.done() or self._future.exception() is not None:
             return None
-        return self._future.result()
+        return RefusingGrammar() if self._runtime_error else self._future.result()
+
+    def fail(self, reason: str) -> None:
+        """The library failed inside this grammar: from now on it refuses every token."""
+        self._runtime_error = reason
 
     @property
     def failed(self) -> bool:
@@ -94,12 +126,20 @@ class StructuredOutputManager:
         bitmask = self.backend.allocate_bitmask(num_rows)
         grammars = [requests[req_id].structured_output_request.grammar
                     for req_id in structured_output_request_ids]
-        self.backend.fill_bitmask_rows(grammars, list(structured_output_request_ids.values()), bitmask)
-        if scheduled_spec_decode_tokens:
+        rows = list(structured_output_request_ids.values())
+        try:
+            self.backend.fill_bitmask_rows(grammars, rows, bitmask)
+        except BaseException as err:
+            _reraise_interrupt(err)
+            # Again row by row, so that only the failing grammars' requests end.
             for grammar, (req_id, row) in zip(grammars, structured_output_request_ids.items()):
+                _guarded(requests[req_id], grammar.fill_bitmask, bitmask, row)
+        if scheduled_spec_decode_tokens:
+            for req_id, row in structured_output_request_ids.items():
                 drafts = scheduled_spec_decode_tokens.get(req_id)
                 if drafts:
-                    self._fill_draft_rows(grammar, req_id, drafts, bitmask, row)
+                    so = requests[req_id].structured_output_request  # a grammar that failed above refuses
+                    _guarded(requests[req_id], self._fill_draft_rows, so.grammar, req_id, drafts, bitmask, row)
         return bitmask
 
     @staticmethod
@@ -117,3 +157,21 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _guarded(request: Request, fill: Any, *args: Any) -> None:
+    """``fill(*args)``; a failure inside the grammar library fails ``request``'s grammar."""
+    try:
+        fill(*args)
+    except BaseException as err:
+        _reraise_interrupt(err)
+        logger.warning("cadence: the grammar library failed on request %s (%s: %s); it ends",
+                       request.request_id, type(err).__name__, str(err)[:200])
+        request.structured_output_request.fail(f"the grammar library failed ({type(err).__name__})")
+
+
+def _reraise_interrupt(err: BaseException) -> None:
+    """Any exception, and a Rust panic (pyo3 raises a ``BaseException``), is the
+    library's failure; an interrupt or an exit goes on up."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise err
