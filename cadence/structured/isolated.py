@@ -39,6 +39,7 @@ from cadence.structured.limits import GrammarLimits, check_size
 
 logger = logging.getLogger("cadence.structured")
 
+_UNKNOWN = object()  # no answer cached yet
 # A worker's start (spawn, imports, the tokenizer sent over) is not the
 # constraint's fault: it gets its own, longer, limit.
 WORKER_START_TIMEOUT_S = 120.0
@@ -59,7 +60,11 @@ class IsolatedGrammarChecker:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limits = limits
-        self._lock = threading.Lock()  # one check in the worker at a time
+        # One check in the worker at a time; the answers have their own lock, so
+        # that a cached answer never waits behind a compile (add_request's check
+        # runs on the server's event loop).
+        self._worker_lock = threading.Lock()
+        self._answers_lock = threading.Lock()
         self._answers: OrderedDict[tuple, str | None] = OrderedDict()  # key -> error or None
         self._worker: _Worker | None = None
         self._closed = False
@@ -70,16 +75,28 @@ class IsolatedGrammarChecker:
         compile, or nothing satisfies it; blocks for up to the compile timeout."""
         check_size(params, self.limits)
         key = (params.kind, getattr(params, params.kind))
-        with self._lock:
-            if key in self._answers:
-                self._answers.move_to_end(key)
-                error = self._answers[key]
-            else:
-                error = self._answers[key] = self._ask_worker(params)
-                if len(self._answers) > COMPILE_CACHE_SIZE:
-                    self._answers.popitem(last=False)
+        error = self._answer(key)
+        if error is _UNKNOWN:
+            with self._worker_lock:
+                error = self._answer(key)  # another thread may have asked meanwhile
+                if error is _UNKNOWN:
+                    error = self._ask_worker(params)
+                    self._remember(key, error)
         if error is not None:
             raise ValueError(error)
+
+    def _answer(self, key: tuple) -> Any:
+        with self._answers_lock:
+            if key not in self._answers:
+                return _UNKNOWN
+            self._answers.move_to_end(key)
+            return self._answers[key]
+
+    def _remember(self, key: tuple, error: str | None) -> None:
+        with self._answers_lock:
+            self._answers[key] = error
+            if len(self._answers) > COMPILE_CACHE_SIZE:
+                self._answers.popitem(last=False)
 
     def close(self) -> None:
         """Stop the worker (without waiting for a check in progress: it fails)."""
@@ -89,7 +106,7 @@ class IsolatedGrammarChecker:
             worker.process.kill()
 
     def _ask_worker(self, params: StructuredOutputParams) -> str | None:
-        """The worker's answer (None: the constraint is fine); called under the lock."""
+        """The worker's answer (None: the constraint is fine); called under the worker lock."""
         if self._closed:
             raise GrammarCheckerUnavailable("structured_outputs: the server is shutting down")
         if self._worker is None:

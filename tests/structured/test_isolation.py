@@ -11,6 +11,9 @@ where a failure inside the library ends.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from tests.core.fakes import FakeRunner, all_blocks_free, new_request, run_until_done, step, wait_until
 from tests.core.test_structured_output import FakeGrammarBackend, grammar_ready, make, structured
@@ -210,6 +213,28 @@ def test_a_compile_past_the_timeout_is_refused_and_the_worker_replaced(tokenizer
             checker.check(slow)
         checker.check(StructuredOutputParams(regex="[a-z]+"))
         assert checker.num_worker_starts == 2
+    finally:
+        checker.close()
+
+
+def test_a_cached_answer_does_not_wait_behind_a_compile(tokenizer):
+    """add_request checks again on the server's event loop: a cached answer
+    must come at once even while another constraint compiles in the worker."""
+    checker = IsolatedGrammarChecker("llguidance", tokenizer, tokenizer.vocab_size,
+                                     GrammarLimits(10**8, 10**6, 10**6, 20.0))
+    try:
+        yes_no = StructuredOutputParams(choice=["yes", "no"])
+        checker.check(yes_no)
+        # ~1 s, then refused (past llguidance's lexer budget): either way, slow.
+        slow = StructuredOutputParams(choice=[f"a long choice number {i}" for i in range(200_000)])
+        compiling = threading.Thread(target=lambda: pytest.raises(ValueError, checker.check, slow))
+        compiling.start()
+        time.sleep(0.1)
+        start = time.monotonic()
+        checker.check(yes_no)
+        assert time.monotonic() - start < 0.1
+        assert compiling.is_alive()
+        compiling.join(30)
     finally:
         checker.close()
 
