@@ -208,21 +208,28 @@ class OffloadingConnector(KVConnectorBase):
         """Pin the slots holding the victim's blocks, copying those not held
         yet; None (nothing changed) when the tier runs out of slots."""
         tier = self.tier
-        slots, orders = [], []
-        for i, slot in enumerate(held):
+        # Pin the held slots first: allocating a slot for one block must not
+        # evict the slot that holds another block of the same victim.
+        for slot in held:
             if slot is not None:
                 tier.pin(slot)
-            else:
+        # Then every slot to copy into, before any write: a write makes a
+        # slot findable by its hash, so a copy must never be planned unless
+        # all of them are (an order never issued would leave the slot unwritten).
+        fresh: dict[int, int] = {}  # block index -> a newly allocated slot
+        for i, slot in enumerate(held):
+            if slot is None:
                 slot = tier.allocate()
                 if slot is None:
-                    for taken in slots:
+                    for taken in [*fresh.values(), *(s for s in held if s is not None)]:
                         tier.unpin(taken)
                     return None
-                full = (i + 1) * self.block_size <= num_tokens
-                orders.append((block_ids[i], slot, tier.write(slot, hashes[i] if full else None)))
-            slots.append(slot)
-        self._meta.swap_outs.extend(orders)
-        return slots
+                fresh[i] = slot
+        for i, slot in fresh.items():
+            full = (i + 1) * self.block_size <= num_tokens
+            tag = tier.write(slot, hashes[i] if full else None)
+            self._meta.swap_outs.append((block_ids[i], slot, tag))
+        return [fresh.get(i, slot) for i, slot in enumerate(held)]
 
     def _release_swap(self, req_id: str) -> None:
         swapped = self._swapped.pop(req_id, None)

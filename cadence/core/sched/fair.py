@@ -197,10 +197,15 @@ class FairPolicy:
         self._favoured: tuple[str | None, float] | None = None  # see begin_step
         self._short = False  # see begin_step
         self.short_step_tokens: int | None = None  # None: no short steps
+        # Requests that displaced another and are still prefilling: never victims
+        # of a displacement themselves (see ``displace``).
+        self._protected: dict[str, Request] = {}
+        self.max_num_seqs: int | None = None  # from configure
 
     def configure(self, config) -> None:
         """Client weights and the short-step budget from the ``SchedulerConfig``."""
         self.counters.client_weights = parse_client_weights(config.fair_client_weights)
+        self.max_num_seqs = config.max_num_seqs
         short = config.fair_short_step_tokens
         if short is None:
             # 3/8: measured on the H100 roofline and the CPU profile (BENCHMARKS.md,
@@ -220,13 +225,21 @@ class FairPolicy:
     def displace(self, waiting: Request, running: list[Request]) -> Request | None:
         """With every slot taken: a request of a more-served client that is still
         prefilling (the one with the least prompt computed: the least work lost)."""
-        get = self.counters.get
-        own = get(waiting.tenant)
-        candidates = [r for r in running
-                      if is_prefilling(r) and get(r.tenant) > own]
+        candidates = self._displaceable(waiting, running)
         if not candidates:
             return None
+        # The displacing request keeps its seat until its prompt is computed:
+        # otherwise two clients whose counters cross at every chunk would
+        # displace each other forever, each losing its prompt's work.
+        self._protected[waiting.request_id] = waiting
         return min(candidates, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+
+    def _displaceable(self, waiting: Request, running: list[Request]) -> list[Request]:
+        get = self.counters.get
+        own = get(waiting.tenant)
+        protected = self._protected
+        return [r for r in running
+                if is_prefilling(r) and get(r.tenant) > own and r.request_id not in protected]
 
     def begin_step(self, running: list[Request]) -> None:
         """Decide the kind of this step.
@@ -241,6 +254,9 @@ class FairPolicy:
         """
         self._favoured = None
         self._short = False
+        if self._protected:
+            self._protected = {req_id: r for req_id, r in self._protected.items()
+                               if not r.is_finished() and is_prefilling(r)}
         get = self.counters.get
         prompt_counters = [get(r.tenant) for r in running if is_prefilling(r)]
         queue = self._queue
@@ -248,13 +264,22 @@ class FairPolicy:
             front = queue._front_client()
             floor = get(front)
             if (any(counter > floor for counter in prompt_counters)
-                    or any(get(client) > floor for client in queue._by_client)):
+                    or any(get(client) > floor for client in queue._by_client)) \
+                    and self._can_seat(queue.peek_request(), running):
                 self._favoured = (front, floor)
                 return
             prompt_counters.append(floor)
         if prompt_counters and self.short_step_tokens is not None:
             least_served_prompt = min(prompt_counters)
             self._short = any(get(client) < least_served_prompt for client in self.counters.active)
+
+    def _can_seat(self, waiting: Request, running: list[Request]) -> bool:
+        """Whether ``waiting`` could run this step: a free seat, or one it may
+        take. Holding others' prompts back for a request that cannot run
+        would only stall them (with every seat taken, for ever)."""
+        if self.max_num_seqs is None or len(running) < self.max_num_seqs:
+            return True
+        return bool(self._displaceable(waiting, running))
 
     def step_budget(self, budget: int) -> int:
         """This step's token budget (after ``begin_step``)."""

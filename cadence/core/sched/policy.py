@@ -166,7 +166,10 @@ class PriorityPolicy:
         return PriorityQueue()
 
     def pick_victim(self, running: list[Request]) -> Request:
-        return max(running, key=lambda r: (r.priority, r.arrival_time))
+        # Among equals (n > 1 children share their parent's arrival) the one
+        # admitted last, as fcfs: taking the furthest along first can cycle,
+        # each victim preempting the next before any finishes.
+        return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
 
     def displace(self, waiting: Request, running: list[Request]) -> Request | None:
         if not running:

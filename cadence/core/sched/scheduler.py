@@ -189,13 +189,22 @@ class Scheduler(SchedulerInterface):
             # so the running set itself never holds more than max_loras adapters.
             plan.loras = LoRABatchLimit(self.lora_config.max_loras)
             plan.loras.add_running(self.running)
-        self._schedule_running(plan)
+        deferred = self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if deferred and not plan.num_scheduled_tokens:
+            # The policy held these prompts back for a request that could not
+            # be admitted after all: an empty step helps nobody (and, while
+            # they hold the blocks it needs, would repeat for ever).
+            self._schedule_running(plan, deferred, honour_deferral=False)
         return self._make_output(plan)
 
-    def _schedule_running(self, plan: StepPlan) -> None:
-        """Give running requests their next tokens, preempting when blocks run out."""
+    def _schedule_running(
+        self, plan: StepPlan, requests: list[Request] | None = None, honour_deferral: bool = True
+    ) -> list[Request]:
+        """Give running requests (all, or ``requests``) their next tokens,
+        preempting when blocks run out; returns those whose prompt the policy
+        deferred."""
         config = self.config
         threshold = config.long_prefill_token_threshold
         max_model_len = self.max_model_len
@@ -203,9 +212,13 @@ class Scheduler(SchedulerInterface):
         lookahead = self.num_lookahead_tokens
         unsent = self.lifecycle.unsent_running
         schedule_running = plan.schedule_running
-        order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
+        if requests is not None:
+            order = requests
+        else:
+            order = prefill_first_order(self.running) if config.prefill_first else list(self.running)
         caps = plan.prefill_caps
-        defers = self._defers_prefill
+        defers = self._defers_prefill if honour_deferral else None
+        deferred: list[Request] = []
         for request in order:
             budget = plan.token_budget
             if budget <= 0:
@@ -215,6 +228,7 @@ class Scheduler(SchedulerInterface):
             if caps is not None and not caps.admits(request):
                 continue  # its prompt waits for a prefill slot
             if defers is not None and is_prefilling(request) and defers(request):
+                deferred.append(request)
                 continue  # the policy gives this step to a waiting request's prompt
             # Catch up with the known tokens (+ drafts, + async placeholders).
             num_computed = request.num_computed_tokens
@@ -254,6 +268,7 @@ class Scheduler(SchedulerInterface):
                 schedule_running(request, num_new, new_block_ids)
             if caps is not None:
                 caps.count(request)
+        return deferred
 
     def _limit_special(self, request: Request, num_new: int) -> int:
         """Limits of a parent waiting to fork (n > 1) and of async placeholders."""
@@ -322,19 +337,25 @@ class Scheduler(SchedulerInterface):
         skipped: list[Request] = []
         waiting = self.waiting
         caps = plan.prefill_caps
-        if self.finished_recving_kv_req_ids or self._loaded_waiting:
-            self._admit_loaded(plan)
+        if (self.finished_recving_kv_req_ids or self._loaded_waiting) and not self._admit_loaded(plan):
+            return
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
-            if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
-                break
             if self._grammar_failed(request):
+                # Before the seat check: a failed grammar at the head must not
+                # wait for a seat (a policy may hold the others back for it).
                 waiting.pop_request()
                 error = request.structured_output_request.error
                 if not error.startswith("structured_outputs"):
                     error = f"structured_outputs: {error}"
                 self.lifecycle.abort_unservable(request, error)
                 continue
+            if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
+                break
+            if plan.preempted and request in plan.preempted:
+                # Displaced in this very step: it does not come back in the same one
+                # (with a step in flight its placeholders would count twice).
+                break
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())
                 continue
@@ -364,10 +385,11 @@ class Scheduler(SchedulerInterface):
         if skipped:
             waiting.prepend_requests(skipped)
 
-    def _admit_loaded(self, plan: StepPlan) -> None:
+    def _admit_loaded(self, plan: StepPlan) -> bool:
         """Admit first the waiting requests whose KV load finished: they hold
         blocks, and behind a request that waits for blocks (waiting requests are
-        never preempted) they would hold them forever, whatever the queue order."""
+        never preempted) they would hold them forever, whatever the queue order.
+        False: nobody else may be admitted this step (see ``_release_loaded``)."""
         requests = self.requests
         self._loaded_waiting.intersection_update(requests)  # drop those aborted meanwhile
         admitted = []
@@ -382,16 +404,44 @@ class Scheduler(SchedulerInterface):
             if plan.loras and not plan.loras.can_add(request):
                 continue
             if self._try_admit(request, plan) is not Admission.ADMITTED:
+                if not plan.num_scheduled_tokens and not any(
+                        r.num_output_placeholders for r in self.running):
+                    # No progress this step, none in flight: free the others' loads.
+                    self._release_loaded(keep=request)
+                    self.waiting.remove_requests(admitted)
+                    return False
                 break
             admitted.append(request)
         if admitted:
             self.waiting.remove_requests(admitted)
+        return True
+
+    def _release_loaded(self, keep: Request) -> None:
+        """Nothing runs this step and ``keep``, loaded, cannot get the blocks
+        it needs: other loaded requests may hold them (loads start beside each
+        other, and waiting requests are never preempted). Their KV goes back to the
+        prefix cache (registered when their loads finished) and they start
+        over, finding it as local hits if it is still there; nobody else is
+        admitted in this step, so ``keep`` gets the blocks in the next."""
+        kv = self.kv_cache_manager
+        for req_id in [*self.finished_recving_kv_req_ids, *self._loaded_waiting]:
+            request = self.requests.get(req_id)
+            if request is None or request is keep or request.is_finished():
+                continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._finish_remote_kv_load(request)
+            self._loaded_waiting.discard(req_id)
+            kv.free(request)
+            request.num_computed_tokens = 0
 
     def _displace_for(self, request: Request, plan: StepPlan) -> bool:
         """With every running slot taken: preempt the running request the policy
         says ``request`` outranks; False when it must wait."""
-        if request.status not in (_WAITING, RequestStatus.PREEMPTED):
+        if not self._is_ready(request):
             return False  # not ready to run (grammar, remote KV): no reason to displace
+        caps = plan.prefill_caps
+        if caps is not None and not caps.admits(request):
+            return False  # it could not take the seat this step: displacing would only cost
         victim = None if self._displace is None else self._displace(request, self.running)
         if victim is None:
             return False
@@ -469,6 +519,9 @@ class Scheduler(SchedulerInterface):
             # A parent must compute something before it forks.
             hits = hits[: max(0, request.fork_point // self.block_size - 1)]
             num_local = len(hits) * self.block_size
+            if num_local >= request.fork_point - self.block_size:
+                # Nothing external could be used either (a load is cut there too).
+                return hits, num_local, 0, False
         if self.connector is None:
             return hits, num_local, 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
@@ -532,6 +585,10 @@ class Scheduler(SchedulerInterface):
         kv = self.kv_cache_manager
         # Keep at least one token to compute, so the request gets logits.
         num_computed = min(num_loaded, request.num_tokens - 1)
+        if request.fork_point is not None:
+            # A parent forks after a step of its own: as with local hits, it
+            # computes (again) the block before its fork point.
+            num_computed = min(num_computed, request.fork_point - self.block_size)
         if num_valid is not None:
             kv.cache_blocks(request, min(num_valid * self.block_size, num_computed))
             kv.free(request)

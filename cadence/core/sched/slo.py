@@ -138,7 +138,9 @@ class SLOPolicy:
             tpot = self.tpot_target(request)
             return (1 if self.is_batch(request) else 0, _INF if tpot is None else tpot, request.arrival_time)
 
-        return max(running, key=looseness)
+        # Ties (n > 1 children, equal targets and arrivals): the one admitted
+        # last, as fcfs; taking the furthest along can cycle for ever.
+        return max(reversed(running), key=looseness)
 
     def displace(self, waiting: Request, running: list[Request]) -> Request | None:
         if self.is_batch(waiting):

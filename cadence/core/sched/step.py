@@ -106,7 +106,7 @@ class StepPlan:
         self.new_block_ids.pop(req_id, None)
         self.spec_tokens.pop(req_id, None)
         self.encoder_inputs.pop(req_id, None)
-        for scheduled in (self.running, self.new):
+        for scheduled in (self.running, self.new, self.resumed):
             if request in scheduled:
                 scheduled.remove(request)
         if req_id in self._structured:
