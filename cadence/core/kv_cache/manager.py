@@ -47,8 +47,9 @@ class KVCacheManager:
         )
         self._hash_fn = BLOCK_HASH_FNS[hash_algo]
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # req_id -> how many of its leading blocks are registered in the prefix cache.
-        self._num_cached_blocks: dict[str, int] = {}
+        # req_id -> how many of its leading blocks are registered in the prefix
+        # cache (read by the scheduler's commit of each step, see cache_blocks).
+        self.num_cached_blocks: dict[str, int] = {}
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
 
@@ -133,7 +134,7 @@ class KVCacheManager:
         else:
             if blocks is None:
                 blocks = self.req_to_blocks[req_id] = []
-                self._num_cached_blocks[req_id] = 0
+                self.num_cached_blocks[req_id] = 0
             new_block_ids = self._take_new_blocks(
                 blocks, num_computed + num_lookahead_tokens, new_computed_blocks
             )
@@ -143,7 +144,7 @@ class KVCacheManager:
             # Cache the blocks filled up; only tokens whose ids are known can
             # be hashed (not drafts, not async placeholders).
             num_known = request.num_tokens if request.num_tokens < num_computed else num_computed
-            if num_known // self.block_size > self._num_cached_blocks[req_id]:
+            if num_known // self.block_size > self.num_cached_blocks[req_id]:
                 self.cache_blocks(request, num_known)
         return new_block_ids
 
@@ -175,24 +176,13 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return [block.block_id for block in new_blocks]
 
-    def cache_scheduled_blocks(self, request: Request) -> None:
-        """Register the full blocks of the request's computed tokens (counting
-        the step just handed to the runner) whose ids are known: not drafts,
-        not async placeholders. The scheduler calls it once a step is final
-        (it allocates with ``delay_cache_blocks``)."""
-        if not self.enable_caching:
-            return
-        num_known = min(request.num_tokens, request.num_computed_tokens)
-        if num_known // self.block_size > self._num_cached_blocks.get(request.request_id, 0):
-            self.cache_blocks(request, num_known)
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the prefix cache."""
         if not self.enable_caching:
             return
         req_id = request.request_id
         num_full = num_computed_tokens // self.block_size
-        num_cached = self._num_cached_blocks.get(req_id, 0)
+        num_cached = self.num_cached_blocks.get(req_id, 0)
         if num_full <= num_cached:
             return
         blocks = self.req_to_blocks[req_id]
@@ -203,7 +193,7 @@ class KVCacheManager:
             blocks, block_hashes, num_cached, num_full, request.all_token_ids, self.block_size,
             request.extra_hash_key,
         )
-        self._num_cached_blocks[req_id] = num_full
+        self.num_cached_blocks[req_id] = num_full
 
     def block_hashes_of(self, request: Request, num_blocks: int) -> list[Any]:
         """The request's block hashes, covering at least its first ``num_blocks``
@@ -234,7 +224,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, for eviction order)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -255,8 +245,8 @@ class KVCacheManager:
         shared = self.req_to_blocks[parent.request_id][:num_blocks]
         self.block_pool.touch(shared)
         self.req_to_blocks[child.request_id] = list(shared)
-        self._num_cached_blocks[child.request_id] = min(
-            num_blocks, self._num_cached_blocks.get(parent.request_id, 0)
+        self.num_cached_blocks[child.request_id] = min(
+            num_blocks, self.num_cached_blocks.get(parent.request_id, 0)
         )
         child.block_hashes = parent.block_hashes[:num_blocks]
 

@@ -671,12 +671,19 @@ class Scheduler(SchedulerInterface):
         them before any later step reads them)."""
         requests = self.requests
         track_placeholders = self.async_scheduling
-        commit = self.kv_cache_manager.cache_scheduled_blocks
+        kv = self.kv_cache_manager
+        caching, num_cached, block_size = kv.enable_caching, kv.num_cached_blocks, self.block_size
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = requests[req_id]
-            request.num_computed_tokens += num_new
-            commit(request)
-            if track_placeholders and request.num_computed_tokens >= request.num_tokens:
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            if caching:
+                # Only tokens whose ids are known are hashed (not drafts, not placeholders).
+                num_known = request.num_tokens
+                if num_computed < num_known:
+                    num_known = num_computed
+                if num_known // block_size > num_cached[req_id]:
+                    kv.cache_blocks(request, num_known)
+            if track_placeholders and num_computed >= request.num_tokens:
                 # Every token past the known ones samples one (the last) output.
                 request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
             if request.mm_positions:
