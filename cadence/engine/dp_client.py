@@ -35,7 +35,7 @@ import zmq.asyncio
 
 from cadence.config import EngineOptions
 from cadence.core.outputs import SchedulerStats
-from cadence.core.request import LoRARequest
+from cadence.core.request import LoRARequest, extra_hash_key_of
 from cadence.engine.async_llm import (
     AsyncLLM, EngineDeadError, FrontendState, RequestStream, StatLogger,
 )
@@ -321,8 +321,10 @@ class DPAsyncLLM:
         room = max(0, max_model_len - len(prompt_token_ids))
         num_output = params.n * (room if params.max_tokens is None else min(params.max_tokens, room))
         lora: LoRARequest | None = kwargs.get("lora_request")
+        # The key the replicas' blocks are hashed with (adapter and cache salt), so
+        # that a salted prompt goes where its own salt's blocks are, not another's.
         rank = self.router.route(request_id, prompt_token_ids, num_output,
-                                 extra_key=lora.lora_int_id if lora is not None else None)
+                                 extra_key=extra_hash_key_of(lora, params.cache_salt))
         if rank is None:
             raise EngineDeadError("every engine replica is dead")
         try:

@@ -14,6 +14,7 @@ from cadence.engine.dp_client import (
 )
 from cadence.engine.async_llm import AsyncLLM
 from cadence.engine.llm import LLM
+from cadence.sampling_params import SamplingParams
 
 
 def options(**kwargs) -> EngineOptions:
@@ -77,3 +78,32 @@ def test_a_data_parallel_front_end_starts_with_every_replica_on_the_router():
     assert len({replica.input_address for replica in llm.replicas}) == 3
     asyncio.run(llm.shutdown())
     assert not llm.is_alive
+
+
+def test_a_salted_request_is_routed_by_its_own_salts_cached_blocks():
+    """The router hashes a prompt with the key the replicas' blocks carry (adapter
+    and cache salt): a salted prompt goes where that salt's blocks are, and the
+    same prompt without a salt, or with another, is not drawn there."""
+    from cadence.core.kv_cache import KVCacheManager
+    from cadence.core.testing import new_request
+
+    llm = DPAsyncLLM(options(data_parallel_size=3, dp_routing="cache_aware", block_size=4))
+    prompt = list(range(100, 116))  # four full blocks
+    manager = KVCacheManager(num_blocks=64, block_size=4, enable_caching=True,
+                             enable_kv_cache_events=True)
+    cached = new_request("cached", prompt, max_tokens=1, cache_salt="tenant-a")
+    manager.get_computed_blocks(cached)
+    assert manager.allocate_slots(cached, len(prompt)) is not None
+    llm.router.absorb_kv_events(2, manager.take_events())
+    sent: dict[str, int] = {}
+    for replica in llm.replicas:
+        replica.add_request = lambda request_id, *args, rank=replica.rank, **kwargs: sent.update(
+            {request_id: rank})
+    try:
+        for request_id, salt in (("same", "tenant-a"), ("none", None), ("other", "tenant-b")):
+            llm.add_request(request_id, prompt + [7], SamplingParams(max_tokens=1, cache_salt=salt))
+        assert sent["same"] == 2 and llm.router.routed["same"].num_cached_tokens == 16
+        assert llm.router.routed["none"].num_cached_tokens == 0 and sent["none"] != 2
+        assert llm.router.routed["other"].num_cached_tokens == 0 and sent["other"] != 2
+    finally:
+        asyncio.run(llm.shutdown())
