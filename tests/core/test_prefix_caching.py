@@ -81,10 +81,22 @@ def test_lru_order_evicts_least_recently_freed_first():
     kv.allocate_slots(y, 5)
     kv.free(x)  # x freed first: its blocks are older
     kv.free(y)
-    z = req("z", [40, 41, 42, 43, 44, 45])  # needs 3 blocks: takes x's 3 first
-    kv.allocate_slots(z, 6)
+    # 4 blocks: first the two partial blocks (no hash: nothing to keep), then x's two.
+    z = req("z", [40, 41, 42, 43, 44, 45, 46, 47])
+    kv.allocate_slots(z, 8)
     assert kv.get_computed_blocks(req("x2", [1, 2, 3, 4, 5]))[1] == 0
     assert kv.get_computed_blocks(req("y2", [7, 8, 9, 9, 5]))[1] == 4
+
+
+def test_blocks_without_a_hash_are_reused_before_cached_ones():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    x = req("x", [1, 2, 3, 4, 5])  # two full blocks (cached) and a partial one
+    kv.allocate_slots(x, 5)
+    partial = kv.req_to_blocks["x"][-1].block_id
+    kv.free(x)
+    y = req("y", [9])
+    assert kv.allocate_slots(y, 1) == [partial]
+    assert kv.get_computed_blocks(req("x2", [1, 2, 3, 4, 5]))[1] == 4
 
 
 def test_reset_prefix_cache_refused_while_blocks_in_use():

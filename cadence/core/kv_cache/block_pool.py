@@ -8,7 +8,8 @@ Every block is in exactly one of three states:
 - free:        ref_cnt == 0, no hash, in the free queue.
 
 The free queue is ordered for eviction (LRU): allocation takes from the head;
-a freed block goes to the tail. A cached-free block taken for a new use is
+a freed cached block goes to the tail, a freed block without a hash to the
+head (it holds nothing to keep). A cached-free block taken for a new use is
 evicted from the hash index at that moment.
 """
 
@@ -103,6 +104,18 @@ class FreeBlockQueue:
         self._tail.prev_free = last
         self.num_free_blocks += len(blocks)
 
+    def extendleft(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the head, in order (the first is taken first)."""
+        first = self._head.next_free
+        prev = self._head
+        for block in blocks:
+            prev.next_free = block  # type: ignore[union-attr]
+            block.prev_free = prev
+            prev = block
+        prev.next_free = first
+        first.prev_free = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
+
     def __iter__(self):
         block = self._head.next_free
         while block is not self._tail:
@@ -191,17 +204,24 @@ class BlockPool:
                 ))
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; blocks reaching zero go to the queue's tail.
+        """Drop one reference on each block. Blocks reaching zero with a hash
+        (cached-free) go to the queue's tail, to be evicted last; those without
+        one hold nothing worth keeping and go to the head, to be reused first
+        (so cached blocks live longer, and a light load keeps reusing the same
+        few blocks: memory pages never touched stay uncommitted).
 
         Callers pass a request's blocks tail-first, so that its last blocks
         (the least likely to be shared) are evicted first.
         """
-        freed = []
+        cached, anonymous = [], []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                freed.append(block)
-        self.free_queue.extend(freed)
+                (anonymous if block.block_hash is None else cached).append(block)
+        if cached:
+            self.free_queue.extend(cached)
+        if anonymous:
+            self.free_queue.extendleft(anonymous)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is owned."""
