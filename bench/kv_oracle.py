@@ -2,7 +2,8 @@
 """The KV-content oracle at length: the property of
 ``tests/core/test_kv_oracle.py`` (every step reads the KV its tokens wrote,
 over random workloads that mix every scheduling feature) over many more
-examples than ``make test`` runs, with totals of what the examples exercised.
+examples than ``make test`` runs (each workload also run as prefill/decode
+disaggregation: a producer and a consumer scheduler), with totals of what the examples exercised.
 
     python bench/kv_oracle.py                   # 20,000 examples
     python bench/kv_oracle.py --examples 2000 --seed 1
@@ -21,7 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hypothesis import HealthCheck, given, note, seed, settings  # noqa: E402
 
-from tests.core.kv_oracle import expected_streams, run_workload, workloads  # noqa: E402
+from tests.core.kv_oracle import (  # noqa: E402
+    expected_streams, pd_workload, run_pd_workload, run_workload, workloads,
+)
 
 
 def main() -> None:
@@ -46,6 +49,13 @@ def main() -> None:
         totals["swapped preemptions"] += run.num_swaps
         totals["failed loads"] += run.num_failed_loads
         totals["aborts"] += len(run.aborted)
+        pd = pd_workload(w)
+        note(f"P/D: {pd!r}")
+        pd_run = run_pd_workload(pd)
+        expected_streams(pd, pd_run)
+        totals["P/D steps (producer and consumer)"] += pd_run.num_steps
+        totals["P/D positions read and checked"] += pd_run.num_reads_checked
+        totals["P/D failed loads"] += pd_run.num_failed_loads
         features[f"policy {w.scheduler['policy']}"] += 1
         for name, on in (("prefix caching", w.scheduler["enable_prefix_caching"]),
                          ("chunked prefill off", not w.scheduler["enable_chunked_prefill"]),

@@ -21,6 +21,7 @@ worker whose transfer broke does.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 
 from cadence.config import KVTransferConfig, SpeculativeConfig
 from cadence.core.kv_transfer.offloading import OffloadingConnector, OffloadingMetadata
+from cadence.core.kv_transfer.pd_connector import CONSUMER, PRODUCER, PDConnectorMetadata, PDConnectorScheduler
 from cadence.core.outputs import KVConnectorOutput
 from cadence.core.request import RequestStatus
 from cadence.core.sched.kv_connector import KVConnectorContext
@@ -57,12 +59,16 @@ class OracleRunner(FakeRunner):
         self.fail_load = fail_load
         self.num_failed_loads = 0
         self.num_blocks_loaded = 0
+        # A P/D worker's step: (PDConnectorMetadata) -> its connector output (see PDWorkers).
+        self.connector_hook = None
 
     def execute(self, scheduler_output, kv_connector_output=None):
         meta = scheduler_output.kv_connector_metadata
         connector_output = None
         if isinstance(meta, OffloadingMetadata):
             connector_output = self._copy_in(meta)
+        elif isinstance(meta, PDConnectorMetadata):
+            connector_output = self.connector_hook(meta)
         output = self.execute_model(scheduler_output)
         if isinstance(meta, OffloadingMetadata):
             for block_id, slot, _ in meta.saves:
@@ -378,7 +384,7 @@ def _check_end(scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert not kv.req_to_blocks and not scheduler.requests, "requests or blocks left"
     assert kv.num_free_blocks == kv.block_pool.num_blocks, "blocks leaked"
-    if scheduler.connector is not None:
+    if isinstance(scheduler.connector, OffloadingConnector):
         scheduler.connector.tier.check_consistency()
 
 
@@ -393,3 +399,133 @@ def expected_streams(w: Workload, run: OracleRun) -> None:
                 assert got == expected[: len(got)], req_id
             else:
                 assert got == expected, (req_id, got, expected)
+
+
+# ----------------------------------------------------------------------
+# Prefill/decode disaggregation: a producer and a consumer scheduler
+# ----------------------------------------------------------------------
+
+
+class PDWorkers:
+    """The worker sides of a producer and a consumer, on their shadow caches:
+    a consumer's load copies the producer's held blocks into its own (or
+    garbage, reported invalid, when the load breaks), and the producer hears
+    that its blocks were pulled in its next step."""
+
+    def __init__(self, producer: OracleRunner, consumer: OracleRunner, fail_load) -> None:
+        self.producer, self.consumer = producer, consumer
+        self.fail_load = fail_load
+        self.pulled: set[str] = set()  # producer requests whose blocks were pulled
+        producer.connector_hook = self._producer_step
+        consumer.connector_hook = self._consumer_step
+
+    def _producer_step(self, meta) -> KVConnectorOutput | None:
+        pulled, self.pulled = self.pulled, set()
+        return KVConnectorOutput(finished_sending=pulled) if pulled else None
+
+    def _consumer_step(self, meta) -> KVConnectorOutput | None:
+        received, invalid = set(), set()
+        for load in meta.loads:
+            self.pulled.add(load.remote_request_id)
+            if not load.local_block_ids:
+                continue  # only telling the producer to let go
+            fails = self.fail_load(load.req_id)
+            for i, (local, remote) in enumerate(zip(load.local_block_ids, load.remote_block_ids)):
+                if fails and i == len(load.local_block_ids) // 2:
+                    invalid.add(local)
+                    self.consumer.num_failed_loads += 1
+                    self.consumer._fill(local, {o: GARBAGE for o in range(BLOCK_SIZE)})
+                else:
+                    self.consumer._fill(local, self.producer._block(remote))
+            received.add(load.req_id)
+        if not received:
+            return None
+        return KVConnectorOutput(finished_recving=received, invalid_block_ids=invalid or None)
+
+
+def _pd_scheduler(w: Workload, role: str, clock):
+    context = KVConnectorContext(block_size=BLOCK_SIZE, num_blocks=w.scheduler["num_gpu_blocks"],
+                                 bytes_per_block=BYTES_PER_BLOCK, kv_role=role)
+    connector = PDConnectorScheduler(
+        KVTransferConfig(kv_connector="PDConnector", kv_role=role), context)
+    spec = SpeculativeConfig(num_speculative_tokens=w.num_spec) if w.num_spec else None
+    manager = SteppedGrammarManager(w.grammar_delay) if w.structured else None
+    return new_scheduler(
+        block_size=BLOCK_SIZE, max_model_len=256, log_stats=True, clock=clock,
+        speculative_config=spec if role == CONSUMER else None, kv_connector=connector,
+        structured_output_manager=manager, **w.scheduler)
+
+
+def run_pd_workload(w: Workload, max_steps: int = 3000) -> OracleRun:
+    """Each request prefills on a producer (one token, blocks held), then runs
+    whole on a consumer that pulls the prompt's KV: both schedulers step side
+    by side, each with its own shadow cache."""
+    now = [0.0]
+    producer = _pd_scheduler(w, PRODUCER, lambda: now[0])
+    consumer = _pd_scheduler(w, CONSUMER, lambda: now[0])
+    failed: set[str] = set()
+
+    def fail_load(req_id: str) -> bool:
+        if req_id in w.failing_loads and req_id not in failed:
+            failed.add(req_id)
+            return True
+        return False
+
+    drafter = make_drafter(w.num_spec, w.draft_accuracy) if w.num_spec else None
+    p_runner, c_runner = OracleRunner(), OracleRunner(draft_fn=drafter)
+    PDWorkers(p_runner, c_runner, fail_load)
+    by_id = {r["id"]: r for r in w.requests}
+    pending = sorted(w.requests, key=lambda r: r["arrival_step"])
+    run, handed = OracleRun(), []
+    for step_index in range(max_steps):
+        now[0] = step_index * 0.01
+        while pending and pending[0]["arrival_step"] <= step_index:
+            r = pending.pop(0)
+            request = _new_request(dict(r, max_tokens=1, n=1), w, now[0])
+            request.kv_transfer_params = {"do_remote_decode": True}
+            producer.add_request(request)
+        while handed:
+            r, params = handed.pop(0)
+            request = _new_request(r, w, now[0])
+            request.kv_transfer_params = params
+            consumer.add_request(request)
+        for r in w.requests:
+            if r["abort_step"] == step_index and r["id"] in consumer.requests:
+                consumer.finish_requests(r["id"], RequestStatus.FINISHED_ABORTED)
+                run.aborted.add(r["id"])
+        for scheduler, runner, is_producer in ((producer, p_runner, True), (consumer, c_runner, False)):
+            if w.structured:
+                scheduler.structured_output_manager.tick()
+            if not scheduler.has_requests():
+                continue
+            so = scheduler.schedule()
+            run.num_preemptions += len(so.preempted_req_ids)
+            output = runner.execute(so)
+            for out in flatten(scheduler.update_from_output(so, output)):
+                if is_producer:
+                    if out.kv_transfer_params is not None:
+                        handed.append((by_id[out.request_id], out.kv_transfer_params))
+                    elif out.finish_reason is not None and out.request_id not in run.aborted:
+                        handed.append((by_id[out.request_id], None))  # nothing held: computed there
+                else:
+                    run.streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            scheduler.kv_cache_manager.check_consistency()
+        if not pending and not handed and not producer.has_requests() and not consumer.has_requests():
+            break
+    else:
+        raise AssertionError(f"requests left after {max_steps} steps: producer "
+                             f"{list(producer.requests)}, consumer {list(consumer.requests)}")
+    for scheduler in (producer, consumer):
+        _check_end(scheduler)
+        scheduler.shutdown()
+    run.num_steps = step_index
+    run.num_failed_loads = c_runner.num_failed_loads
+    run.num_reads_checked = p_runner.shadow_kv.num_reads_checked + c_runner.shadow_kv.num_reads_checked
+    return run
+
+
+def pd_workload(w: Workload) -> Workload:
+    """``w`` as P/D runs it: no host tier (one connector per engine), no
+    async scheduling (the P/D driver steps both engines in turn)."""
+    scheduler = {k: v for k, v in w.scheduler.items() if k != "async_scheduling"}
+    return dataclasses.replace(w, scheduler=scheduler, tier_slots=0, preemption_mode="recompute")

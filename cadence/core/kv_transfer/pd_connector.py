@@ -229,6 +229,13 @@ class PDConnectorScheduler(KVConnectorBase):
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        unasked = self._remote_prefill(request)
+        if unasked is not None:
+            # A decode request that never asked for its prompt (aborted while it
+            # waited): the peer may let its blocks go now, not at its hold timeout.
+            self._meta.loads.append(RemoteBlocks(
+                request.request_id, [], [], f"tcp://{unasked['remote_host']}:{unasked['remote_port']}",
+                str(unasked["remote_request_id"])))
         self._asked.discard(request.request_id)
         params = request.kv_transfer_params
         if (self.role == CONSUMER or not params or not params.get("do_remote_decode")

@@ -36,7 +36,12 @@ class ForkRegistry:
         """Set the parent's fork point; returns the children instead if there is nothing to share."""
         fork_point = (parent.num_prompt_tokens - 1) // self.block_size * self.block_size
         if fork_point == 0:
-            return self._make_children(parent)
+            children = self._make_children(parent)
+            # The first child answers for the prompt's remote KV (P/D): it loads
+            # it, or tells the peer to let its blocks go (they would be held
+            # until the peer's timeout). A parent that forks later asked already.
+            children[0].kv_transfer_params = parent.kv_transfer_params
+            return children
         parent.fork_point = fork_point
         return None
 
