@@ -100,7 +100,10 @@ class LinearLoRA:
         if mapping.all_rows:
             weights = self.weights.get(mapping.segments[0][0])
             if weights is not None:
-                y.addmm_(x @ weights[0].T, weights[1].T)  # [T, R] @ [R, out]
+                # The delta rounded to y's dtype, then added, as the mixed batch
+                # below does: one fused addmm_ would round once, so a request's
+                # tokens under bfloat16 would depend on its batch's adapters.
+                y.add_((x @ weights[0].T) @ weights[1].T)  # [T, R] @ [R, out]
             return y
         rows = mapping.token_rows
         xs = x.index_select(0, rows)  # [L, in]
