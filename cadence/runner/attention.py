@@ -10,9 +10,10 @@ are the tail of its context:
     ``sliding_window`` of them when a window is set)
 
 Invariant, per layer: the new keys/values of *all* tokens are written to the
-cache first, and every key/value attention reads comes from the cache. The
-scheduler relies on it: a request admitted in a step may have "cached"
-prefix blocks that another request writes in that same step.
+cache first, and every key/value attention reads comes from the cache. (The
+scheduler no longer relies on it: blocks enter the prefix cache once their
+step is final, so a request never hits blocks another one writes in the
+same step; the test harness's shadow KV cache checks what each step reads.)
 
 Short queries (decodes, speculative verification) take one of two paths:
 
