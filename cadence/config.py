@@ -10,7 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "slo")
+# Names a ``SchedulerConfig.policy`` may take: the built-in policies, and any
+# registered with ``cadence.core.sched.policy.register_policy`` in this process
+# (which adds them here). A "package.module:factory" path names one anywhere.
+SCHEDULING_POLICIES = ["fcfs", "priority", "fair", "slo"]
 # Options that belong to one policy (refused with any other).
 POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
@@ -158,9 +161,10 @@ class SchedulerConfig:
             _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                      f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         _require(
-            self.policy in SCHEDULING_POLICIES,
+            self.policy in SCHEDULING_POLICIES or ":" in self.policy,
             "policy",
-            f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+            f"must be one of {SCHEDULING_POLICIES} or a policy's 'package.module:factory', "
+            f"got {self.policy!r}",
         )
         _require(
             0.0 <= self.admission_safety_margin < 1.0,

@@ -112,3 +112,14 @@ def test_exceptions_are_still_needed():
         module = module_name(path)
         used.update((module, imported) for imported in cadence_imports(path))
     assert set(EXCEPTIONS) <= used, set(EXCEPTIONS) - used
+
+
+def test_the_scheduler_calls_its_policy_through_the_declared_contract():
+    """Every hook the scheduler calls is declared on ``SchedulingPolicy`` with
+    its default: the scheduler never probes a policy (or anything) with
+    getattr/hasattr."""
+    source = (PACKAGE_ROOT / "core" / "sched" / "scheduler.py").read_text()
+    probes = [node.func.id for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr")]
+    assert probes == []

@@ -4,7 +4,8 @@ The loop, in the spawned process:
 
     while running:
         drain the input socket (add / abort / finish-by-stop-string / utility),
-            blocking on it while there is no work
+            blocking on it while there is no work (the first idle second after
+            steps hands the heap's free pages back to the kernel)
         if there is work: step once, send the EngineCoreOutputs (+ SchedulerStats)
 
 Messages are the msgspec structs of ``cadence.engine.wire``. Nothing here
@@ -106,6 +107,7 @@ class EngineCoreProc:
         self.outputs = outputs
         self.running = True
         self._last_idle_stats = 0.0
+        self._stepped_since_idle = False
         self._parent_pid = os.getppid()
         self._poller = zmq.Poller()
         self._poller.register(inputs, zmq.POLLIN)
@@ -141,6 +143,7 @@ class EngineCoreProc:
         ``wait_ms``."""
         while block and self.running and not self._poller.poll(_IDLE_POLL_MS):
             self._check_parent()
+            self._return_freed_memory()
         if wait_ms and not block:
             self._poller.poll(wait_ms)
         while self.running:
@@ -153,7 +156,19 @@ class EngineCoreProc:
                 return
             self._handlers[kind](self._decoders[kind].decode(payload))
 
+    def _return_freed_memory(self) -> None:
+        """Once per idle period (the first idle poll after a step): the runner
+        keeps a step's freed buffers in the heap for the next step
+        (``host_memory.keep_freed_memory``), so a long prompt's or a large
+        batch's step would hold tens of MB in the process for good (issue 30:
+        RSS after abusive requests); trimmed here, a busy engine reuses its
+        pages step after step and an idle one returns them."""
+        if self._stepped_since_idle:
+            self._stepped_since_idle = False
+            return_freed_memory()
+
     def _step(self) -> None:
+        self._stepped_since_idle = True
         outputs = self.core.step()
         for request_id, why in self.core.take_request_errors().items():
             error = wire.RequestError(request_id, why)
@@ -184,7 +199,7 @@ class EngineCoreProc:
                 raise ValueError("priority: this server schedules first come, first served; "
                                  "start it with --policy priority to use request priorities")
             if (message.slo_ttft_s is not None or message.slo_tpot_s is not None) \
-                    and not getattr(self.core.scheduler.policy, "reads_slo", False):
+                    and not self.core.scheduler.policy.reads_slo:
                 raise ValueError("slo_ttft_s: this server does not schedule for latency targets; "
                                  "start it with --policy slo to use them")
             self.core.add_request(message.to_request(self.engine.max_model_len))
@@ -232,6 +247,13 @@ class EngineCoreProc:
     def _check_parent(self) -> None:
         if os.getppid() != self._parent_pid:  # the front end is gone: nobody reads us
             self.running = False
+
+
+def return_freed_memory() -> None:
+    """glibc's malloc_trim (imported here: the front end imports this module without torch)."""
+    from cadence.runner.host_memory import return_freed_memory as trim
+
+    trim()
 
 
 def wire_stats(scheduler: Any) -> EngineCoreOutputs:

@@ -4,6 +4,7 @@ import pytest
 
 from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
 from cadence.core.sched.policy import make_policy, register_policy
+from cadence.core.testing import new_request, new_scheduler, run_until_done
 
 
 def admission_order(s, runner):
@@ -38,9 +39,9 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_policies_plug_in_through_the_registry():
-    from cadence.core.sched.policy import FCFSQueue
+    from cadence.core.sched.policy import FCFSQueue, SchedulingPolicy
 
-    class NewestFirst:
+    class NewestFirst(SchedulingPolicy):
         def make_queue(self):
             return FCFSQueue()
 
@@ -49,3 +50,38 @@ def test_policies_plug_in_through_the_registry():
 
     register_policy("test-newest")(NewestFirst)
     assert isinstance(make_policy("test-newest"), NewestFirst)
+    # Registered in this process: the config takes its name too.
+    assert new_scheduler(policy="test-newest").policy.pick_victim(["a", "b"]) == "a"
+
+
+def test_a_policy_from_outside_the_package_by_its_import_path():
+    prompts = {"long": 40, "mid": 20, "short": 6}
+    s = new_scheduler(policy="tests.plugins.shortest_first:ShortestPromptFirst",
+                      max_num_seqs=1, max_num_batched_tokens=64)
+    for req_id, length in prompts.items():
+        s.add_request(new_request(req_id, length, max_tokens=2))
+    order = []
+    run_until_done(s, on_step=lambda so: order.extend(n.req_id for n in so.scheduled_new_reqs))
+    assert order == ["short", "mid", "long"]
+    # Imported, it registered its own name.
+    assert type(new_scheduler(policy="shortest-first").policy).__name__ == "ShortestPromptFirst"
+
+
+def test_a_policy_path_that_is_not_a_policy_is_refused():
+    with pytest.raises(ValueError, match=r"^policy: .*NotAPolicy, not a SchedulingPolicy"):
+        new_scheduler(policy="tests.plugins.shortest_first:NotAPolicy")
+    with pytest.raises(ValueError, match=r"^policy: cannot import 'tests.plugins.nowhere'"):
+        new_scheduler(policy="tests.plugins.nowhere:Policy")
+    with pytest.raises(ValueError, match=r"^policy: must be one of"):
+        new_scheduler(policy="no-such-policy")
+
+
+def test_the_default_hooks_decide_nothing():
+    from cadence.core.sched.policy import FCFSPolicy
+
+    policy = FCFSPolicy()
+    assert policy.displace(None, []) is None and policy.step_budget(77) == 77
+    assert not policy.defers_prefill(None) and policy.service_stats() is None
+    assert not policy.overrides("begin_step") and policy.overrides("pick_victim")
+
+

@@ -34,6 +34,7 @@ from typing import Iterable, Iterator
 
 from cadence.config import parse_client_weights
 from cadence.core.request import Request
+from cadence.core.sched.policy import SchedulingPolicy
 from cadence.core.sched.prefill_caps import is_prefilling
 
 # Shift all counters down once the smallest active one passes this.
@@ -184,11 +185,8 @@ class FairQueue:
                 del queues[client]
 
 
-class FairPolicy:
+class FairPolicy(SchedulingPolicy):
     """The ``fair`` policy (see the module docstring)."""
-
-    reads_priority = False
-    accounts_service = True  # the scheduler calls ``account`` after each step's decisions
 
     def __init__(self, client_weights: dict[str | None, float] | None = None,
                  input_weight: float = 1.0, output_weight: float = 2.0) -> None:

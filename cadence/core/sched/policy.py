@@ -1,7 +1,11 @@
 """Scheduling policies: the waiting-queue order and the preemption victim.
 
-A policy is a small object registered by name; the scheduler never branches
-on the policy's name. Add one with ``@register_policy("name")``.
+A policy subclasses ``SchedulingPolicy`` (every hook the scheduler calls,
+with its default) and is chosen by name; the scheduler never branches on the
+name. Add one with ``@register_policy("name")`` (that process only), or name
+it by import path, ``policy="package.module:factory"``, which works wherever
+the engine runs (``LLM``, ``cadence serve``'s engine process, ``cadence
+simulate``).
 
 - ``fcfs``:     arrival order; the victim is the request admitted last.
 - ``fair``:     fair shares across clients (``Request.tenant``) by weighted
@@ -20,10 +24,12 @@ on the policy's name. Add one with ``@register_policy("name")``.
 from __future__ import annotations
 
 import heapq
+import importlib
 import itertools
 from collections import deque
 from typing import Callable, Iterable, Iterator, Protocol
 
+from cadence.config import SCHEDULING_POLICIES
 from cadence.core.request import Request
 
 
@@ -41,21 +47,75 @@ class RequestQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
-class SchedulingPolicy(Protocol):
+class SchedulingPolicy:
+    """What the scheduler asks of a policy: every hook it calls, each with the
+    default a policy gets when it leaves the hook out (subclass this class,
+    override what the policy decides).
+
+    A policy never changes a request; it orders, chooses and budgets. Hooks
+    are called from ``Scheduler.schedule()`` (``begin_step``, ``step_budget``,
+    ``defers_prefill``, ``displace``, ``pick_victim``, ``account``) and from
+    ``add_request`` (``check_admission``); the scheduler calls the per-step
+    ones only when a policy overrides them, so an fcfs step pays nothing.
+    """
+
     # Whether the policy orders by ``Request.priority`` (front ends refuse a
     # priority the policy would ignore).
-    reads_priority: bool
+    reads_priority: bool = False
+    # Whether it reads per-request latency targets (``slo_ttft_s``/``slo_tpot_s``;
+    # front ends refuse them otherwise).
+    reads_slo: bool = False
 
-    def make_queue(self) -> RequestQueue: ...
+    # ---- set-up -----------------------------------------------------------
+
+    def configure(self, config) -> None:
+        """The ``SchedulerConfig``, once, when the scheduler is built."""
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """The clock requests' arrival times are on (virtual in the simulator)."""
+
+    def make_queue(self) -> RequestQueue:
+        """The waiting queue, in the policy's order (called once)."""
+        raise NotImplementedError
+
+    # ---- decisions ----------------------------------------------------------
 
     def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when blocks run out."""
-        ...
+        raise NotImplementedError
 
     def displace(self, waiting: Request, running: list[Request]) -> Request | None:
         """With every running slot taken: the running request ``waiting`` should
         preempt, or None to let it wait."""
-        ...
+        return None
+
+    def check_admission(self, request: Request) -> None:
+        """Raise (a ``ValueError`` naming the field) to refuse a new request."""
+
+    def begin_step(self, running: list[Request]) -> None:
+        """Called first in each ``schedule()``."""
+
+    def step_budget(self, budget: int) -> int:
+        """This step's token budget, from the configured one."""
+        return budget
+
+    def defers_prefill(self, request: Request) -> bool:
+        """Whether ``request``'s prompt (a running chunk or an admission) waits
+        this step. If the step would otherwise be empty, deferred running
+        prompts are scheduled anyway."""
+        return False
+
+    def account(self, scheduled: dict[str, int], requests: dict[str, Request],
+                running: list[Request]) -> None:
+        """The step's scheduled tokens per request id, once the step is decided."""
+
+    def service_stats(self) -> dict[str, int] | None:
+        """Per-client service for the stats (None: the policy keeps none)."""
+        return None
+
+    def overrides(self, hook: str) -> bool:
+        """Whether this policy replaces the default ``hook``."""
+        return getattr(type(self), hook) is not getattr(SchedulingPolicy, hook)
 
 
 class FCFSQueue:
@@ -146,8 +206,7 @@ class PriorityQueue(KeyedQueue):
         super().__init__(lambda request: request.priority)
 
 
-class FCFSPolicy:
-    reads_priority = False
+class FCFSPolicy(SchedulingPolicy):
 
     def make_queue(self) -> RequestQueue:
         return FCFSQueue()
@@ -155,11 +214,8 @@ class FCFSPolicy:
     def pick_victim(self, running: list[Request]) -> Request:
         return running[-1]
 
-    def displace(self, waiting: Request, running: list[Request]) -> Request | None:
-        return None
 
-
-class PriorityPolicy:
+class PriorityPolicy(SchedulingPolicy):
     reads_priority = True
 
     def make_queue(self) -> RequestQueue:
@@ -182,18 +238,49 @@ _POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {}
 
 
 def register_policy(name: str) -> Callable[[Callable[[], SchedulingPolicy]], Callable[[], SchedulingPolicy]]:
+    """``@register_policy("name")`` on a policy class (or factory): ``policy="name"``
+    then selects it in this process. An engine in another process (``cadence
+    serve``) needs the ``"package.module:factory"`` form, which imports it there."""
     def register(factory: Callable[[], SchedulingPolicy]) -> Callable[[], SchedulingPolicy]:
         _POLICIES[name] = factory
+        if name not in SCHEDULING_POLICIES:
+            SCHEDULING_POLICIES.append(name)
         return factory
 
     return register
 
 
 def make_policy(name: str) -> SchedulingPolicy:
+    """The policy registered as ``name``, or made by ``"package.module:factory"``
+    (importable in every process: the engine core may run in another one)."""
+    factory = _POLICIES.get(name)
+    if factory is None and ":" in name:
+        factory = _import_factory(name)
+    if factory is None:
+        raise ValueError(f"policy: unknown scheduling policy {name!r}; known: {sorted(_POLICIES)}, "
+                         "or 'package.module:factory'")
+    policy = factory()
+    if not isinstance(policy, SchedulingPolicy):
+        raise ValueError(f"policy: {name!r} made a {type(policy).__name__}, not a SchedulingPolicy "
+                         "(subclass cadence.core.sched.policy.SchedulingPolicy)")
+    return policy
+
+
+def _import_factory(path: str) -> Callable[[], SchedulingPolicy] | None:
+    module_name, _, attr = path.partition(":")
     try:
-        return _POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"policy: unknown scheduling policy {name!r}; known: {sorted(_POLICIES)}")
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"policy: cannot import {module_name!r} ({err})") from err
+    factory = _POLICIES.get(path) or getattr(module, attr, None)
+    if factory is None:
+        raise ValueError(f"policy: {module_name!r} has no {attr!r}")
+    return factory
+
+
+def policy_names() -> list[str]:
+    """The registered policies' names."""
+    return sorted(_POLICIES)
 
 
 def _fair_policy() -> SchedulingPolicy:

@@ -106,19 +106,18 @@ class Scheduler(SchedulerInterface):
             enable_kv_cache_events=cache_config.enable_kv_cache_events,
             log_stats=log_stats,
         )
-        self.policy = make_policy(scheduler_config.policy)
-        if hasattr(self.policy, "configure"):
-            self.policy.configure(scheduler_config)
-        if hasattr(self.policy, "set_clock"):
-            self.policy.set_clock(clock)
-        self._check_admission = getattr(self.policy, "check_admission", None)
-        # Optional policy hooks (a registered policy may have neither).
-        self._displace = getattr(self.policy, "displace", None)
-        self._accounts_service = getattr(self.policy, "accounts_service", False)
-        self._service_stats = getattr(self.policy, "service_stats", None)
-        self._defers_prefill = getattr(self.policy, "defers_prefill", None)
-        self._begin_step = getattr(self.policy, "begin_step", None)
-        self._step_budget = getattr(self.policy, "step_budget", None)
+        policy = self.policy = make_policy(scheduler_config.policy)
+        policy.configure(scheduler_config)
+        policy.set_clock(clock)
+        # The hooks a policy overrides; None where it keeps the default (which
+        # decides nothing), so a plain step does not call them.
+        overrides = policy.overrides
+        self._check_admission = policy.check_admission if overrides("check_admission") else None
+        self._displace = policy.displace if overrides("displace") else None
+        self._account = policy.account if overrides("account") else None
+        self._defers_prefill = policy.defers_prefill if overrides("defers_prefill") else None
+        self._begin_step = policy.begin_step if overrides("begin_step") else None
+        self._step_budget = policy.step_budget if overrides("step_budget") else None
         # Shared with the lifecycle and the absorber: changed in place, never rebound.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
@@ -627,8 +626,8 @@ class Scheduler(SchedulerInterface):
             )
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
-        if self._accounts_service:
-            self.policy.account(plan.num_scheduled_tokens, self.requests, self.running)
+        if self._account is not None:
+            self._account(plan.num_scheduled_tokens, self.requests, self.running)
         self._advance_computed_tokens(plan)
         if self.kv_cache_manager.block_pool.enable_events:
             self.kv_events.extend(self.kv_cache_manager.take_events())
@@ -762,7 +761,7 @@ class Scheduler(SchedulerInterface):
             num_preemptions=self._num_step_preemptions,
             num_swapped_preemptions=self._take_num_swaps(),
             step_counter=self.step_counter,
-            client_service=self._service_stats() if self._service_stats is not None else None,
+            client_service=self.policy.service_stats(),
             connector_prefix_cache_stats=(self.connector.make_prefix_cache_stats()
                                           if self.connector is not None else None),
         )

@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 from cadence.core.request import Request
-from cadence.core.sched.policy import KeyedQueue
+from cadence.core.sched.policy import KeyedQueue, SchedulingPolicy
 
 _INF = float("inf")
 
@@ -73,12 +73,10 @@ class StepTimeModel:
         self.num_observed += 1
 
 
-class SLOPolicy:
+class SLOPolicy(SchedulingPolicy):
     """The ``slo`` policy (see the module docstring)."""
 
-    reads_priority = False
     reads_slo = True  # front ends refuse per-request targets under other policies
-    accounts_service = True  # ``account`` times the steps
 
     def __init__(self) -> None:
         self.default_ttft_s: float | None = None
