@@ -123,3 +123,11 @@ def test_the_scheduler_calls_its_policy_through_the_declared_contract():
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("getattr", "hasattr")]
     assert probes == []
+
+
+def test_the_engine_core_calls_its_runner_through_the_declared_protocol():
+    source = (PACKAGE_ROOT / "engine" / "core.py").read_text()
+    probes = [node.func.id for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr")]
+    assert probes == []

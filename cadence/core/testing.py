@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig
 from cadence.core.outputs import EngineCoreOutput, EngineCoreOutputs, KVConnectorOutput, ModelRunnerOutput
 from cadence.core.request import LoRARequest, PlaceholderRange, Request
+from cadence.core.runner_api import RunnerBase
 from cadence.core.sched.output import SchedulerOutput
 from cadence.core.sched.scheduler import Scheduler
 from cadence.sampling_params import SamplingParams
@@ -100,7 +101,7 @@ def verify_drafts(token_fn: TokenFn, req_id: str, tokens: list[int], drafts: Seq
 # ----------------------------------------------------------------------
 
 
-class FakeRunner:
+class FakeRunner(RunnerBase):
     """The model runner's interface (``execute_model``), with a token function
     instead of a model.
 

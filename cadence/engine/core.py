@@ -24,12 +24,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
 
 from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput
 from cadence.core.request import LoRARequest, Request, RequestStatus
 from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.output import SchedulerOutput
+from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.kv_events import KVEventBatch
 
 
@@ -39,8 +40,21 @@ T = TypeVar("T")
 MAX_STEPS_IN_FLIGHT = 2
 
 
+@runtime_checkable
 class Runner(Protocol):
+    """Everything the engine calls on whatever executes a batch (the model
+    runner, the tensor-parallel driver, the simulator's runner, the tests'
+    fake runner). ``cadence.core.runner_api.RunnerBase`` has the defaults."""
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    def remove_lora(self, lora_int_id: int) -> bool: ...
+
+    def list_loras(self) -> list[int]: ...
+
+    def shutdown(self) -> None: ...
 
 
 class EventPublisher(Protocol):
@@ -82,7 +96,7 @@ class EngineCore:
         self._checked_loras: set[tuple[int, str]] = set()
         self._request_errors: dict[str, str] = {}  # see take_request_errors
         # Cache events are the Scheduler's, outside the scheduler contract.
-        self._take_kv_events = getattr(scheduler, "take_kv_events", None)
+        self._take_kv_events = scheduler.take_kv_events if isinstance(scheduler, Scheduler) else None
 
     def add_request(self, request: Request) -> None:
         """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one,
@@ -91,8 +105,9 @@ class EngineCore:
         An adapter loaded once is not loaded again here: the runner loads it
         anew itself if it unloaded it meanwhile.
         """
-        if request.kv_transfer_params is not None and not getattr(
-                self.scheduler.get_kv_connector(), "reads_kv_transfer_params", False):
+        connector = self.scheduler.get_kv_connector()
+        if request.kv_transfer_params is not None and (
+                connector is None or not connector.reads_kv_transfer_params):
             raise ValueError("kv_transfer_params: this engine has no KV connector that reads them")
         lora = request.lora_request
         if lora is not None and (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
@@ -101,21 +116,16 @@ class EngineCore:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter in the runner (once); True if loaded now."""
-        add_lora = getattr(self.runner, "add_lora", None)
-        if add_lora is None:
-            raise ValueError("lora_request: this engine's runner serves no LoRA adapters")
-        loaded = self._between_steps(add_lora, lora_request)
+        loaded = self._between_steps(self.runner.add_lora, lora_request)
         self._checked_loras.add((lora_request.lora_int_id, lora_request.lora_path))
         return loaded
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self._checked_loras = {key for key in self._checked_loras if key[0] != lora_int_id}
-        remove_lora = getattr(self.runner, "remove_lora", None)
-        return remove_lora is not None and self._between_steps(remove_lora, lora_int_id)
+        return self._between_steps(self.runner.remove_lora, lora_int_id)
 
     def list_loras(self) -> list[int]:
-        list_loras = getattr(self.runner, "list_loras", None)
-        return self._between_steps(list_loras) if list_loras is not None else []
+        return self._between_steps(self.runner.list_loras)
 
     def _between_steps(self, fn: Callable[..., T], *args: Any) -> T:
         """Call the runner where no step is executing: with async scheduling, on
@@ -193,9 +203,7 @@ class EngineCore:
                     future.cancel()
                 self._executor.shutdown(wait=True)
             self.scheduler.shutdown()
-            shutdown_runner = getattr(self.runner, "shutdown", None)
-            if shutdown_runner is not None:
-                shutdown_runner()
+            self.runner.shutdown()
         finally:
             if self.event_publisher is not None:
                 self._publish_kv_events()

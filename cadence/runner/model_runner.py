@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from cadence.core.runner_api import RunnerBase
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from cadence.models.config import ModelConfig
 
 
-class ModelRunner:
+class ModelRunner(RunnerBase):
     """Owns the KV cache, the persistent batch and the per-request state."""
 
     def __init__(

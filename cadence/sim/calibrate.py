@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from cadence.config import CacheConfig, SchedulerConfig
+from cadence.core.runner_api import RunnerBase
 from cadence.core.outputs import ModelRunnerOutput
 from cadence.core.request import Request
 from cadence.core.sched.output import SchedulerOutput
@@ -108,7 +109,7 @@ def default_scenarios(quick: bool = False) -> list[Scenario]:
 _EMPTY = StepShape(0, 0, 0, 0)
 
 
-class _ShapeRecorder:
+class _ShapeRecorder(RunnerBase):
     """Wraps the real runner: remembers the shape of the step it runs."""
 
     def __init__(self, runner: Any) -> None:

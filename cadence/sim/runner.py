@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any, NamedTuple, Protocol
 
 from cadence.core.outputs import KVConnectorOutput, ModelRunnerOutput
+from cadence.core.runner_api import RunnerBase
 from cadence.core.sched.output import SchedulerOutput
 from cadence.core.testing import samples
 from cadence.sim.cost_model import CostModel, StepShape
@@ -43,7 +44,7 @@ class ExecutedStep(NamedTuple):
     num_preempted: int
 
 
-class SimRunner:
+class SimRunner(RunnerBase):
     """Charges each step's cost; "samples" one filler token per finished row."""
 
     def __init__(self, cost_model: CostModel, transfers: StepTransfers | None = None) -> None:

@@ -52,6 +52,10 @@ class KVConnectorContext:
 class KVConnectorBase(ABC):
     """Scheduler-side connector hooks."""
 
+    # Whether requests' ``kv_transfer_params`` mean something to this connector
+    # (the engine refuses them otherwise).
+    reads_kv_transfer_params: bool = False
+
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         """The scheduler's KV cache manager (block ids and block hashes of
         requests); called once, when the scheduler is built."""
