@@ -13,9 +13,10 @@ from typing import Any
 # Names a ``SchedulerConfig.policy`` may take: the built-in policies, and any
 # registered with ``cadence.core.sched.policy.register_policy`` in this process
 # (which adds them here). A "package.module:factory" path names one anywhere.
-SCHEDULING_POLICIES = ["fcfs", "priority", "fair", "slo"]
+SCHEDULING_POLICIES = ["fcfs", "priority", "fair", "slo", "lpm"]
 # Options that belong to one policy (refused with any other).
-POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"), "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject")}
+POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"),
+                  "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject"), "lpm": ("lpm_max_bypass",)}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Drafting methods that need KV slots beyond the verified tokens for the
@@ -67,7 +68,9 @@ class SchedulerConfig:
     policy: str = option("fcfs", "Queue order: fcfs; priority (lower value first; a better "
                                  "priority also displaces the worst running request when "
                                  "max_num_seqs is full); fair (fair shares across clients, "
-                                 "named by the request's user); slo (latency targets first).")
+                                 "named by the request's user); slo (latency targets first); "
+                                 "lpm (longest cached prefix first, waiting bounded by "
+                                 "lpm_max_bypass); or a policy's 'package.module:factory'.")
     fair_client_weights: str | None = option(
         None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1)."
     )
@@ -86,6 +89,11 @@ class SchedulerConfig:
     slo_reject: bool = option(
         False, "With policy slo: refuse (HTTP 429, Retry-After) a request whose TTFT target "
                "is predicted to be missed."
+    )
+    lpm_max_bypass: int | None = option(
+        None, "With policy lpm: how many later requests may be admitted before a waiting one; "
+              "then it goes first, whatever its cached prefix (the bound on waiting; default "
+              "16; a huge value leaves lpm unbounded, as SGLang ships it)."
     )
     async_scheduling: bool = option(
         False, "Schedule the next step while the current one runs (output placeholders): the "
@@ -153,6 +161,9 @@ class SchedulerConfig:
         if self.fair_client_weights is not None:
             _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
             parse_client_weights(self.fair_client_weights)
+        if self.lpm_max_bypass is not None:
+            _require(self.policy == "lpm", "lpm_max_bypass", "applies to policy lpm only")
+            _require(self.lpm_max_bypass >= 0, "lpm_max_bypass", "must be >= 0")
         if self.fair_short_step_tokens is not None:
             _require(self.policy == "fair", "fair_short_step_tokens", "applies to policy fair only")
             _require(1 <= self.fair_short_step_tokens <= self.max_num_batched_tokens,

@@ -1,7 +1,7 @@
 """Random workloads that mix every scheduling feature, run against the
 shadow-KV oracle (``FakeRunner(check_kv=True)``).
 
-One workload draws a scheduler configuration (policy, budgets, chunking and
+One workload draws a scheduler configuration (policy: fcfs, priority, fair, slo, lpm; budgets, chunking and
 thresholds, partial-prefill caps, blocked bypass, prefix caching, speculative
 tokens with wrong drafts or async scheduling, a host-memory tier with
 recompute, swap or auto preemption and failing loads) and requests (shared
@@ -198,7 +198,7 @@ class Workload:
 
 @st.composite
 def workloads(draw, max_requests: int = 10) -> Workload:
-    policy = draw(st.sampled_from(["fcfs", "priority", "fair", "slo"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "fair", "slo", "lpm"]))
     chunked = draw(st.booleans())
     budget = draw(st.integers(8, 64))
     threshold = draw(st.sampled_from([0, 0, 4, 7]))
@@ -234,6 +234,8 @@ def workloads(draw, max_requests: int = 10) -> Workload:
         "enable_chunked_prefill": chunked,
         "long_prefill_token_threshold": threshold,
     }
+    if policy == "lpm":
+        sched["lpm_max_bypass"] = draw(st.sampled_from([None, 0, 2, 10**9]))
     if not chunked:
         sched["max_blocked_bypass_steps"] = draw(st.sampled_from([0, 2]))
     caps = draw(st.sampled_from([None, 1, 2]))

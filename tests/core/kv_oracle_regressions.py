@@ -310,5 +310,27 @@ FOUND = [
                    'long_prefill_token_threshold': 7,
                    'max_blocked_bypass_steps': 0},
     ),
+    # slo: a request about to load its KV displaced a running one, round after round
+    workload(
+        requests=[
+            req('r0', [100]),
+            req('r1', [123] + [100] * 19, max_tokens=7, n=3),
+            req('r2', [100], arrival_step=4),
+            req('r3', [100], arrival_step=1),
+            req('r4', [100], arrival_step=4),
+            req('r5', [100], arrival_step=7),
+            req('r6', [100], arrival_step=5),
+            req('r7', [123] + [100] * 12, arrival_step=5, ttft=1.0),
+        ],
+        scheduler={'policy': 'slo',
+                   'max_num_batched_tokens': 20,
+                   'max_num_seqs': 1,
+                   'num_gpu_blocks': 11,
+                   'enable_prefix_caching': False,
+                   'enable_chunked_prefill': False,
+                   'long_prefill_token_threshold': 0,
+                   'max_blocked_bypass_steps': 0},
+        tier_slots=8, failing_loads=frozenset(['r0', 'r1', 'r2', 'r3', 'r4', 'r5', 'r6']),
+    ),
 
 ]

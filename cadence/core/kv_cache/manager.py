@@ -91,6 +91,23 @@ class KVCacheManager:
             )
         return hits, num_hit_tokens
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of the request's leading full blocks in the prefix cache now,
+        as ``get_computed_blocks`` would find them: a look-up only (no block
+        taken, no stats recorded)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if max_hit_blocks <= 0:
+            return 0
+        get_cached = self.block_pool.get_cached_block
+        num = 0
+        for block_hash in self._block_hashes(request, max_hit_blocks)[:max_hit_blocks]:
+            if get_cached(block_hash) is None:
+                break
+            num += 1
+        return num * self.block_size
+
     def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> int:
         """Leading blocks of ``request`` shared by every running request (for cascade attention)."""
         num_common = 0

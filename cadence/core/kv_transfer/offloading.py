@@ -130,6 +130,18 @@ class OffloadingConnector(KVConnectorBase):
         self._matched[request.request_id] = (first, slots)
         return len(slots) * self.block_size, True
 
+    def would_load_async(self, request: "Request", num_computed_tokens: int) -> bool:
+        first = num_computed_tokens // self.block_size
+        swapped = self._swapped.get(request.request_id)
+        if swapped is not None:
+            return min(swapped.num_tokens, request.num_tokens - 1) > first * self.block_size
+        if request.sampling_params.prompt_logprobs is not None:
+            return False
+        if first >= (request.num_tokens - 1) // self.block_size:
+            return False
+        hashes = self.kv.block_hashes_of(request, first + 1)
+        return self.tier.lookup(hashes[first]) is not None
+
     def _match_swapped(self, request: "Request", swapped: SwappedKV, first: int) -> tuple[int, bool]:
         num_tokens = min(swapped.num_tokens, request.num_tokens - 1)
         num_external = num_tokens - first * self.block_size

@@ -182,6 +182,9 @@ class PDConnectorScheduler(KVConnectorBase):
         # first output token): a load of that token alone would gain nothing.
         return (num_external, True) if num_external > 1 else (0, False)
 
+    def would_load_async(self, request: "Request", num_computed_tokens: int) -> bool:
+        return self._matches(request) and request.num_prompt_tokens - num_computed_tokens > 1
+
     def update_state_after_alloc(self, request: "Request", blocks: "list[KVCacheBlock]",
                                  num_external_tokens: int) -> None:
         params = self._remote_prefill(request)

@@ -66,6 +66,13 @@ class KVConnectorBase(ABC):
     ) -> tuple[int, bool]:
         """(external tokens available beyond ``num_computed_tokens``, load asynchronously)."""
 
+    def would_load_async(self, request: "Request", num_computed_tokens: int) -> bool:
+        """Whether ``get_num_new_matched_tokens`` would now answer an asynchronous
+        load for ``request`` — a look-up only, changing nothing. The scheduler
+        asks before displacing a running request for it: a request that first
+        loads its KV does not take the seat this step (default: never)."""
+        return False
+
     @abstractmethod
     def update_state_after_alloc(
         self, request: "Request", blocks: "list[KVCacheBlock]", num_external_tokens: int

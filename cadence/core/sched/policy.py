@@ -12,6 +12,8 @@ simulate``).
                 service counters, VTC; see ``cadence.core.sched.fair``.
 - ``slo``:      latency targets: least slack first, batch work last,
                 predicted misses refused; see ``cadence.core.sched.slo``.
+- ``lpm``:      the longest cached prefix first, no request passed more
+                than ``lpm_max_bypass`` times; see ``cadence.core.sched.cache_aware``.
 - ``priority``: lower ``priority`` value first, ties by arrival; the victim
                 is the running request with the worst (priority, arrival).
                 When ``max_num_seqs`` is full, a waiting request of a
@@ -73,6 +75,10 @@ class SchedulingPolicy:
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """The clock requests' arrival times are on (virtual in the simulator)."""
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """The scheduler's KV cache manager, once (a cache-aware policy reads
+        the prefix cache through it; it never changes it)."""
 
     def make_queue(self) -> RequestQueue:
         """The waiting queue, in the policy's order (called once)."""
@@ -301,3 +307,12 @@ def _slo_policy() -> SchedulingPolicy:
 
 
 register_policy("slo")(_slo_policy)
+
+
+def _cache_aware_policy() -> SchedulingPolicy:
+    from cadence.core.sched.cache_aware import CacheAwarePolicy
+
+    return CacheAwarePolicy()
+
+
+register_policy("lpm")(_cache_aware_policy)

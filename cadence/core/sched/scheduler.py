@@ -109,6 +109,7 @@ class Scheduler(SchedulerInterface):
         policy = self.policy = make_policy(scheduler_config.policy)
         policy.configure(scheduler_config)
         policy.set_clock(clock)
+        policy.bind_kv_cache_manager(self.kv_cache_manager)
         # The hooks a policy overrides; None where it keeps the default (which
         # decides nothing), so a plain step does not call them.
         overrides = policy.overrides
@@ -441,6 +442,10 @@ class Scheduler(SchedulerInterface):
         caps = plan.prefill_caps
         if caps is not None and not caps.admits(request):
             return False  # it could not take the seat this step: displacing would only cost
+        if self.connector is not None and request.num_computed_tokens == 0 and \
+                self.connector.would_load_async(
+                    request, self.kv_cache_manager.num_cached_prefix_tokens(request)):
+            return False  # it would load its KV first, not run: it waits for a seat
         victim = None if self._displace is None else self._displace(request, self.running)
         if victim is None:
             return False
