@@ -1,4 +1,4 @@
-"""Keep freed host memory in the process instead of handing it back each step.
+"""Host memory: freed memory kept in the process, large buffers committed as they are used.
 
 PyTorch's CPU allocator is glibc's malloc. Tensors above malloc's mmap
 threshold (a few hundred KB, growing only as large chunks are freed) get
@@ -6,6 +6,11 @@ fresh pages from the kernel each time, and every page costs a fault on
 first touch: on the VMs this project runs on, ~3 µs per 4 KiB page, so a
 step's logits alone ([64, 49152] float32, 12 MB) cost ~10 ms. Raising the
 thresholds once makes every later step reuse the heap's pages.
+
+The paged KV cache is the other way round: one large buffer of which a
+light load uses the first few blocks. ``untouched_zeros`` maps it straight
+from the kernel, so a page is committed when a block on it is first
+written, not when the cache is made.
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
+import mmap
+
+import torch
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -61,3 +70,19 @@ def return_freed_memory() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on the CPU whose pages are committed on first write.
+
+    An anonymous private mapping reads as zeros and takes no memory until a
+    page is written (``torch.zeros`` writes every page at once). Huge pages
+    are refused for it: under THP "always" a first write would commit 2 MiB
+    where a KV block holds a few KiB. The tensor keeps the mapping alive.
+    """
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

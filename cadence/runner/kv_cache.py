@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cadence.runner.cpu_paths import DTYPES
+from cadence.runner.host_memory import untouched_zeros
 
 if TYPE_CHECKING:
     from cadence.models.config import ModelConfig
@@ -84,6 +85,12 @@ class PagedKVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded reads of unused slots must never see NaN/inf
         # (they are masked out, but 0 * NaN would still poison a softmax).
+        if torch.device(device).type == "cpu":
+            # Committed as blocks are first written: the block pool hands out
+            # low ids first and reuses a freed block that holds no cached
+            # prefix before any other, so a light load touches the cache's
+            # first pages only (issue 31: memory follows the work).
+            return cls(untouched_zeros(shape, dtype))
         return cls(torch.zeros(shape, dtype=dtype, device=device))
 
     @classmethod
