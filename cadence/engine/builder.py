@@ -111,11 +111,11 @@ def assemble_engine(
         max_model_len = cache_capacity
         scheduler_config = dataclasses.replace(scheduler_config, max_model_len=max_model_len)
     block_bytes = bytes_per_block(model_config, cache_config.block_size, kv_dtype)
-    lazily = "; memory committed as blocks are first used" if device.type == "cpu" else ""
+    lazily = ", committed as blocks are first used" if device.type == "cpu" else ""
     print(
         f"cadence: KV cache {num_blocks} blocks x {cache_config.block_size} tokens = "
         f"{num_blocks * cache_config.block_size} tokens, {num_blocks * block_bytes / 2**20:.0f} MiB "
-        f"({_dtype_name(kv_dtype)}, {device}{lazily})",
+        f"({_dtype_name(kv_dtype)}, {device}){lazily}",
         file=log,
     )
     grammar_backend = None
