@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from cadence.config import STRUCTURED_OUTPUTS_BACKENDS
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import StructuredOutputParams
-from cadence.structured.limits import unsatisfiable_schema_reason
+from cadence.structured.limits import constraint_bytes, unsatisfiable_schema_reason
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,14 @@ def fill_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-# Compiled grammars kept per backend (a key is the request's whole constraint).
+# Compiled grammars kept per backend (a key is the request's whole constraint):
+# at most this many, and at most this many bytes of constraint text together.
+# A compiled grammar's memory grows with its text (a 20,000-string choice list,
+# ~400 KB, keeps ~2 MiB in llguidance): bounded by count alone, distinct large
+# lists grew the engine by 2 MiB each, up to 256 of them (issue 30). 4 MiB
+# holds four constraints of the default size limit, or 256 schemas of 16 KB.
 COMPILE_CACHE_SIZE = 256
+COMPILE_CACHE_BYTES = 4 << 20
 ANY_JSON_OBJECT = '{"type": "object"}'
 # Tokens a check walks from a grammar's start (see ``GrammarBackendBase._probe``).
 PROBE_STEPS = 8
@@ -61,6 +67,46 @@ def check_backend_available(name: str) -> None:
                          f"(pip install {name})")
 
 
+class ConstraintCache:
+    """Values keyed by constraints, least recently used first out: at most
+    ``max_entries``, and at most ``max_bytes`` of constraint text together,
+    though the newest entry stays even when it alone is larger. Thread-safe."""
+
+    def __init__(self, max_entries: int = COMPILE_CACHE_SIZE, max_bytes: int = COMPILE_CACHE_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # key -> (value, bytes)
+
+    @staticmethod
+    def key(params: StructuredOutputParams) -> tuple:
+        return (params.kind, getattr(params, params.kind))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return default
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, params: StructuredOutputParams, value: Any) -> None:
+        key, num_bytes = self.key(params), constraint_bytes(params)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.num_bytes -= old[1]
+            self._entries[key] = (value, num_bytes)
+            self.num_bytes += num_bytes
+            while len(self._entries) > 1 and (len(self._entries) > self.max_entries
+                                              or self.num_bytes > self.max_bytes):
+                self.num_bytes -= self._entries.popitem(last=False)[1][1]
+
+
 class GrammarBackendBase:
     """Compile-once-per-key and the bitmask; subclasses turn params into grammars.
 
@@ -75,7 +121,7 @@ class GrammarBackendBase:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._compiled = ConstraintCache()  # -> (True, compiled) or (False, the error)
         self._state: Any = None
 
     # ---- what a subclass provides ----------------------------------------
@@ -133,11 +179,7 @@ class GrammarBackendBase:
             return self._state
 
     def _cached(self, params: StructuredOutputParams) -> Any:
-        key = (params.kind, getattr(params, params.kind))
-        with self._lock:
-            hit = self._compiled.get(key)
-            if hit is not None:
-                self._compiled.move_to_end(key)
+        hit = self._compiled.get(ConstraintCache.key(params))
         if hit is None:
             try:
                 hit = (True, self._compile(params))
@@ -145,10 +187,7 @@ class GrammarBackendBase:
                 hit = (False, str(err))
             except Exception as err:  # a backend's own error type: still the input's fault
                 hit = (False, f"structured_outputs.{params.kind}: {library_message(str(err))}")
-            with self._lock:
-                self._compiled[key] = hit
-                if len(self._compiled) > COMPILE_CACHE_SIZE:
-                    self._compiled.popitem(last=False)
+            self._compiled.put(params, hit)
         ok, value = hit
         if not ok:
             raise ValueError(value)

@@ -28,13 +28,12 @@ import multiprocessing
 import signal
 import threading
 import time
-from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import StructuredOutputParams
-from cadence.structured.backend import COMPILE_CACHE_SIZE, check_backend_available
+from cadence.structured.backend import ConstraintCache, check_backend_available
 from cadence.structured.limits import GrammarLimits, check_size
 
 logger = logging.getLogger("cadence.structured")
@@ -64,8 +63,7 @@ class IsolatedGrammarChecker:
         # that a cached answer never waits behind a compile (add_request's check
         # runs on the server's event loop).
         self._worker_lock = threading.Lock()
-        self._answers_lock = threading.Lock()
-        self._answers: OrderedDict[tuple, str | None] = OrderedDict()  # key -> error or None
+        self._answers = ConstraintCache()  # key -> error or None
         self._worker: _Worker | None = None
         self._closed = False
         self.num_worker_starts = 0
@@ -74,29 +72,16 @@ class IsolatedGrammarChecker:
         """ValueError naming the field if ``params`` is over a limit, cannot
         compile, or nothing satisfies it; blocks for up to the compile timeout."""
         check_size(params, self.limits)
-        key = (params.kind, getattr(params, params.kind))
-        error = self._answer(key)
+        key = ConstraintCache.key(params)
+        error = self._answers.get(key, _UNKNOWN)
         if error is _UNKNOWN:
             with self._worker_lock:
-                error = self._answer(key)  # another thread may have asked meanwhile
+                error = self._answers.get(key, _UNKNOWN)  # another thread may have asked meanwhile
                 if error is _UNKNOWN:
                     error = self._ask_worker(params)
-                    self._remember(key, error)
+                    self._answers.put(params, error)
         if error is not None:
             raise ValueError(error)
-
-    def _answer(self, key: tuple) -> Any:
-        with self._answers_lock:
-            if key not in self._answers:
-                return _UNKNOWN
-            self._answers.move_to_end(key)
-            return self._answers[key]
-
-    def _remember(self, key: tuple, error: str | None) -> None:
-        with self._answers_lock:
-            self._answers[key] = error
-            if len(self._answers) > COMPILE_CACHE_SIZE:
-                self._answers.popitem(last=False)
 
     def close(self) -> None:
         """Stop the worker (without waiting for a check in progress: it fails)."""

@@ -20,7 +20,9 @@ from cadence.models import Tokenizer, default_model_path
 from cadence.models.gguf_loader import read_gguf
 from cadence.runner.grammar_mask import allowed_tokens
 from cadence.sampling_params import StructuredOutputParams
-from cadence.structured.backend import GrammarBackendBase, make_grammar_backend, strict_schema
+from cadence.structured.backend import (
+    ConstraintCache, GrammarBackendBase, make_grammar_backend, strict_schema,
+)
 
 BACKENDS = ("llguidance", "xgrammar")
 EOS_ID = 2
@@ -288,6 +290,28 @@ def test_check_and_compile_compile_each_input_once(backend, monkeypatch):
         backend.check(good)
         backend.compile(good)
     assert calls == ["regex", "regex"]
+
+
+def test_the_compile_cache_is_bounded_by_the_constraints_bytes_as_well_as_their_count():
+    """Distinct 20,000-string choice lists kept ~2 MiB each in the engine, up
+    to 256 of them (issue 30): the cache also holds at most max_bytes of
+    constraint text, the least recently used going first, the newest always kept."""
+    cache = ConstraintCache(max_entries=3, max_bytes=100)
+    lists = [StructuredOutputParams(choice=[f"{i}" * 10] * 4) for i in range(4)]  # 40 bytes each
+    for params in lists[:2]:
+        cache.put(params, params.kind)
+    assert cache.get(ConstraintCache.key(lists[0])) == "choice"  # now the most recently used
+    cache.put(lists[2], "third")  # 120 bytes: lists[1], the least recently used, goes
+    assert cache.get(ConstraintCache.key(lists[1]), "gone") == "gone"
+    assert len(cache) == 2 and cache.num_bytes == 80
+    huge = StructuredOutputParams(regex="x" * 500)
+    cache.put(huge, "kept alone")
+    assert len(cache) == 1 and cache.get(ConstraintCache.key(huge)) == "kept alone"
+    small = [StructuredOutputParams(regex=str(i)) for i in range(5)]
+    for params in small:
+        cache.put(params, None)
+    assert len(cache) == 3 and cache.num_bytes == 3  # the count bound
+    assert cache.get(ConstraintCache.key(small[-1]), "gone") is None
 
 
 def test_unknown_backend_name_is_refused(tokenizer):
