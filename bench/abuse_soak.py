@@ -77,11 +77,11 @@ def rss_mib(pid: int | None) -> float | None:
 
 
 def processes(server: Server) -> dict[str, int | None]:
-    """The engine core (the first spawned child), the grammar worker (a later one), the front end."""
-    engine = server.engine_pid()
-    others = [pid for pid in _children(server.process.pid) if pid != engine
-              and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    return {"engine": engine, "front_end": server.process.pid, "grammar_worker": max(others, default=None)}
+    """The engine core (the first spawned child), the grammar checker's worker, the front end."""
+    workers = [pid for pid in _children(server.process.pid)
+               if b"check_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return {"engine": server.engine_pid(), "front_end": server.process.pid,
+            "grammar_worker": max(workers, default=None)}
 
 
 def kv_cache_rss_mib(pid: int) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.sampling_params import SamplingParams
+from cadence.structured import GrammarLimits, IsolatedGrammarChecker
 
 Conversation = list[dict[str, Any]]
 
@@ -40,6 +41,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # Checks constraints in a worker process, as a server does (a crash in the
+        # grammar library is a ValueError, not this process's end); started with
+        # the first constraint.
+        self._grammars: IsolatedGrammarChecker | None = None
         # Draft acceptance since this LLM was made (None: no speculative decoding).
         self.spec_decoding_stats: SpecDecodingStats | None = None
 
@@ -106,8 +111,7 @@ class LLM:
     def _make_requests(self, prompts, params_list, users, loras):
         requests = []
         for prompt, params, user, lora in zip(prompts, params_list, users, loras):
-            if params.structured_outputs is not None and self.engine.grammar_backend is not None:
-                self.engine.grammar_backend.check(params.structured_outputs)
+            self._check_structured_outputs(params)
             text, token_ids = prompt_token_ids(prompt, self.tokenizer)
             request = make_request(
                 str(next(self._ids)), token_ids, params, self.tokenizer, self.engine.max_model_len,
@@ -115,6 +119,19 @@ class LLM:
             )
             requests.append((request, text))
         return requests
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError naming the field if ``params.structured_outputs`` is over a
+        limit (the ``structured_outputs_*`` options), cannot compile, or nothing
+        satisfies it; the grammar library runs in the checker's worker."""
+        backend = self.engine.grammar_backend
+        if params.structured_outputs is None or backend is None:
+            return
+        if self._grammars is None:
+            engine = self.options.engine
+            self._grammars = IsolatedGrammarChecker(engine.structured_outputs_backend, self.tokenizer,
+                                                    backend.vocab_size, GrammarLimits.of(engine))
+        self._grammars.check(params.structured_outputs)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         core = self.engine.core

@@ -4,7 +4,8 @@ The grammar libraries are native code that a request can drive: a Lark
 grammar of a few thousand chained rules overflows llguidance's stack
 (SIGSEGV), a large enough one panics or runs for a minute in xgrammar. The
 server checks every constraint before it sends the request, so it checks
-them here: one worker process (spawned, reused), one constraint at a time.
+them here: one worker process, reused, one constraint at a time (``python -m
+cadence.structured.check_worker``).
 
     check(params)
       sizes (limits.py)          in this process; over a limit -> ValueError
@@ -24,8 +25,11 @@ that a worker survived.
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -42,6 +46,7 @@ _UNKNOWN = object()  # no answer cached yet
 # A worker's start (spawn, imports, the tokenizer sent over) is not the
 # constraint's fault: it gets its own, longer, limit.
 WORKER_START_TIMEOUT_S = 120.0
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class GrammarCheckerUnavailable(RuntimeError):
@@ -115,21 +120,33 @@ class IsolatedGrammarChecker:
 
 
 class _Worker:
-    """One worker process and its end of the pipe."""
+    """One worker process and its end of the socket pair."""
 
-    def __init__(self, process: Any, conn: Connection) -> None:
+    def __init__(self, process: subprocess.Popen, conn: Connection) -> None:
         self.process = process
         self.conn = conn
 
     @classmethod
     def start(cls, backend_name: str, tokenizer: Tokenizer, vocab_size: int) -> _Worker:
-        context = multiprocessing.get_context("spawn")  # never fork a threaded server
-        conn, child_conn = context.Pipe()
-        process = context.Process(target=worker_main, args=(child_conn, backend_name, tokenizer, vocab_size),
-                                  name="cadence-grammar-check", daemon=True)
-        process.start()
-        child_conn.close()
-        worker = cls(process, conn)
+        # A plain ``python -m`` subprocess, not multiprocessing's spawn: spawn
+        # runs the parent's main script again in the child, so an offline
+        # script that makes an ``LLM`` without an ``if __name__ == "__main__"``
+        # guard would load a second engine there and fail (and never fork a
+        # threaded server).
+        ours, theirs = socket.socketpair()
+        # The worker imports this cadence, wherever this process found it.
+        path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "cadence.structured.check_worker",
+                                        str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                       stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
+        finally:
+            theirs.close()
+        worker = cls(process, Connection(ours.detach()))
+        try:
+            worker.conn.send((backend_name, tokenizer, vocab_size))
+        except (BrokenPipeError, ConnectionError):
+            pass  # it died at once: receive() says how
         outcome, answer = worker.receive(WORKER_START_TIMEOUT_S)
         if outcome != "answer" or answer != "ready":
             worker.stop()
@@ -148,7 +165,7 @@ class _Worker:
     def receive(self, timeout_s: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout_s
         try:
-            # poll() also returns when the worker dies (its end of the pipe closes).
+            # poll() also returns when the worker dies (its end of the pair closes).
             if not self.conn.poll(max(0.0, deadline - time.monotonic())):
                 return "timeout", None
             return "answer", self.conn.recv()
@@ -156,9 +173,9 @@ class _Worker:
             return "died", self._how_it_died()
 
     def _how_it_died(self) -> str:
-        self.process.join(5)
-        code = self.process.exitcode
-        if code is None:
+        try:
+            code = self.process.wait(5)
+        except subprocess.TimeoutExpired:
             return "its worker stopped answering"
         if code < 0:
             try:
@@ -168,14 +185,18 @@ class _Worker:
         return f"its worker exited with status {code}"
 
     def stop(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(5)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
         self.conn.close()
 
 
 def worker_main(conn: Connection, backend_name: str, tokenizer: Tokenizer, vocab_size: int) -> None:
-    """The worker's loop: (kind, value) in, None or an error message out, until the pipe closes."""
+    """The worker's loop (``check_worker.py`` starts it): (kind, value) in, None
+    or an error message out, until its parent closes the pair."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the server's to handle
     from cadence.structured.backend import make_grammar_backend, reraise_unless_library_failure
 
@@ -185,7 +206,7 @@ def worker_main(conn: Connection, backend_name: str, tokenizer: Tokenizer, vocab
     while True:
         try:
             kind, value = conn.recv()
-        except EOFError:  # the server is gone
+        except (EOFError, ConnectionError):  # the server is gone
             return
         try:
             backend.check(StructuredOutputParams(**{kind: value}))

@@ -110,6 +110,49 @@ def test_a_bad_grammar_is_refused_before_anything_runs(llm):
     assert llm.generate(["Hi"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].text
 
 
+def chain(num_rules: int) -> str:
+    """Issue 30's grammar: ``start: r0``, ``r0: "x0" | r1``, ... (from ~3,000 rules
+    it overflows llguidance's stack)."""
+    rules = [f'r{i}: "x{i}" | r{i + 1}' for i in range(num_rules - 1)]
+    return "\n".join(["start: r0", *rules, f'r{num_rules - 1}: "x{num_rules - 1}"'])
+
+
+def assert_still_generates(llm: LLM) -> None:
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].text
+    answer = llm.generate(["Yes or no?"], params(structured_outputs={"choice": ["yes", "no"]}),
+                          use_tqdm=False)[0].outputs[0]
+    assert answer.text in ("yes", "no")
+
+
+@pytest.mark.parametrize("constraint, words", [
+    ({"choice": [f"item {i}" for i in range(20_001)]},
+     r"^structured_outputs\.choice: 20001 strings, .*--structured-outputs-max-choices"),
+    ({"grammar": chain(2_500)}, r"^structured_outputs\.grammar: 2501 rules, .*--structured-outputs-max-rules"),
+    ({"regex": r"[^\s\S]"}, r"^structured_outputs\.regex: no output satisfies"),
+    ({"json": {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                               "required": ["a"]}}, "$ref": "#/$defs/a"}}, r"^structured_outputs\.json: "),
+])
+def test_offline_constraints_get_the_servers_limits_and_checks(llm, constraint, words):
+    """The same limits (EngineConfig's structured_outputs_* options) and the same
+    check in a worker process as a server's; nothing runs, and LLM goes on."""
+    with pytest.raises(ValueError, match=words):
+        llm.generate(["Hi", "Hello"], [SamplingParams(max_tokens=4), params(structured_outputs=constraint)],
+                     use_tqdm=False)
+    assert not llm.engine.core.has_work()
+    assert_still_generates(llm)
+
+
+def test_a_grammar_that_crashes_the_grammar_library_is_a_value_error_offline():
+    """A crash (SIGSEGV) in the grammar library ends the checker's worker, not
+    this process: one ValueError, and the next constraint gets a new worker."""
+    llm = engine(structured_outputs_max_rules=6000)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: the grammar could not be "
+                                         r"compiled: the grammar library crashed"):
+        llm.generate(["Hi"], params(structured_outputs={"grammar": chain(5000)}), use_tqdm=False)
+    assert_still_generates(llm)
+    assert llm._grammars.num_worker_starts == 2
+
+
 def test_a_grammar_failing_in_the_engine_ends_only_its_request(llm):
     """A grammar the front end did not check (sent to the core directly) fails
     to compile in the engine: its request ends with the error; the others run."""
