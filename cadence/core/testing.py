@@ -367,7 +367,7 @@ def step(
         on_schedule(so)
     assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens <= scheduler.max_num_scheduled_tokens
-    assert len(scheduler.running) <= scheduler.max_num_running_reqs
+    assert scheduler.get_request_counts()[0] <= scheduler.max_num_running_reqs
     result = scheduler.update_from_output(so, runner.execute(so, kv_connector_output))
     return so, flatten(result)
 
@@ -393,7 +393,8 @@ def run_until_done(
             outputs.setdefault(out.request_id, []).append(out)
         if check_blocks:
             scheduler.kv_cache_manager.check_consistency()
-    raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
+    raise AssertionError(f"requests (running, waiting) left after {max_steps} steps: "
+                         f"{scheduler.get_request_counts()}")
 
 
 def run_pipelined(
@@ -421,7 +422,8 @@ def run_pipelined(
         in_flight = next_step
         if in_flight is None and not scheduler.has_requests():
             return outputs
-    raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
+    raise AssertionError(f"requests (running, waiting) left after {max_steps} steps: "
+                         f"{scheduler.get_request_counts()}")
 
 
 def token_streams(outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, list[int]]:

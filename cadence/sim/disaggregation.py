@@ -47,7 +47,7 @@ from cadence.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from cadence.core.kv_transfer.pd_connector import CONSUMER, PRODUCER, PDConnectorMetadata, RemoteBlocks
 from cadence.core.outputs import KVConnectorOutput
 from cadence.core.sched.kv_connector import KVConnectorContext
-from cadence.core.sched.slo import SLOUnattainable
+from cadence.core.sched.policy import AdmissionRefused
 from cadence.engine.dp_router import DPRouter
 from cadence.engine.kv_connectors import make_kv_connector_scheduler
 from cadence.sampling_params import SamplingParams
@@ -277,7 +277,7 @@ class PDFleet:
         rank = self.prefill_router.route(request.request_id, prompt, 1)
         try:
             self.prefills[rank].core.add_request(request)
-        except SLOUnattainable:  # the slo policy refused it at admission (slo_reject)
+        except AdmissionRefused:  # the policy refused it at this load (e.g. slo with slo_reject)
             self.prefill_router.release(request.request_id)
             recorder.on_reject(index)
             return
@@ -310,7 +310,7 @@ class PDFleet:
         rank = self.decode_router.route(request.request_id, prompt, spec.output_tokens)
         try:
             self.decodes[rank].core.add_request(request)
-        except SLOUnattainable:
+        except AdmissionRefused:
             self.decode_router.release(request.request_id)
             if kv_transfer_params:
                 self._release_hold(now, kv_transfer_params["remote_port"] - _FIRST_KV_PORT,
@@ -360,7 +360,7 @@ class PDFleet:
         if not load.local_block_ids:  # nothing to pull: the prefill replica may free its blocks
             self._release_hold(now, prefill_rank, load.remote_request_id)
             return
-        prompt_tokens = self.decodes[decode_rank].core.scheduler.requests[load.req_id].num_prompt_tokens
+        prompt_tokens = self.decodes[decode_rank].core.scheduler.get_request(load.req_id).num_prompt_tokens
         first_block = math.ceil(prompt_tokens / self.block_size) - len(load.local_block_ids)
         num_bytes = (prompt_tokens - first_block * self.block_size) * self.kv_bytes_per_token
         seconds = num_bytes / self.bytes_per_second
@@ -390,7 +390,7 @@ class PDFleet:
 
     def _check_all_done(self) -> None:
         stuck = sum(r.core.scheduler.get_num_unfinished_requests() for r in self.replicas)
-        held = sum(len(r.core.scheduler.lifecycle.sending_req_ids) for r in self.prefills)
+        held = sum(r.core.scheduler.num_sending_requests() for r in self.prefills)
         if stuck or held:
             raise SimulationStalled(f"{stuck} requests can never be scheduled, {held} prompts "
                                     "are held for a pull that never came")

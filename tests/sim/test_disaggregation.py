@@ -36,7 +36,7 @@ def assert_all_blocks_free(pd: PDFleet) -> None:
         scheduler = replica.core.scheduler
         scheduler.kv_cache_manager.check_consistency()
         assert scheduler.kv_cache_manager.usage == 0
-        assert not scheduler.requests and not scheduler.lifecycle.sending_req_ids
+        assert not scheduler.requests and not scheduler.sending_req_ids
         assert not scheduler.has_requests()
 
 
@@ -149,7 +149,7 @@ def test_a_request_the_decode_replica_refuses_frees_the_prompt_its_prefill_holds
 def test_a_pull_that_never_comes_is_reported():
     pd = fleet()
     pd.run(specs_at([0.0]))
-    pd.prefills[0].core.scheduler.lifecycle.sending_req_ids.add("ghost")
+    pd.prefills[0].core.scheduler.sending_req_ids.add("ghost")
     with pytest.raises(SimulationStalled, match="held for a pull"):
         pd._check_all_done()
 

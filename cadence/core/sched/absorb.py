@@ -1,13 +1,13 @@
 """Absorbing a step's results: what the runner sampled becomes request state.
 
-``OutputAbsorber.update_from_output`` runs once per step, after the runner.
+``Scheduler.update_from_output`` (this module's mixin) runs once per step, after the runner.
 For each request scheduled in the step it
 
 - rolls back the drafts the runner rejected (``spec_decode``),
 - appends the sampled tokens, each checked for a stop (``stop.append_token``),
   and advances the request's grammar,
 - keeps the runner's fresh drafts, forks a parent that reached its fork
-  point, frees a request that stopped (``lifecycle``),
+  point, frees a request that stopped (the ``lifecycle`` methods),
 
 then applies the KV connector's finished transfers and builds the outputs
 per client, with the ids finished since the last step and the stats.
@@ -19,7 +19,7 @@ inline, since the loop runs once per request per step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from cadence.core.outputs import (
     EngineCoreOutput,
@@ -34,8 +34,8 @@ from cadence.core.sched import spec_decode
 from cadence.core.sched.stop import append_token, append_tokens
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache import KVCacheManager
     from cadence.core.sched.kv_connector import KVConnectorBase
-    from cadence.core.sched.lifecycle import RequestLifecycle
     from cadence.core.sched.output import SchedulerOutput
     from cadence.core.sched.structured_output import StructuredOutputManager
 
@@ -43,31 +43,24 @@ _PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
 
 
 class OutputAbsorber:
-    """Turns a ``ModelRunnerOutput`` into request state and ``EngineCoreOutputs``."""
+    """Methods of ``Scheduler`` that turn a ``ModelRunnerOutput`` into request
+    state and ``EngineCoreOutputs``.
 
-    def __init__(
-        self,
-        lifecycle: RequestLifecycle,
-        finished_recving_kv_req_ids: dict[str, int | None],
-        make_stats: Callable[[SpecDecodingStats | None], SchedulerStats | None],
-        *,
-        max_model_len: int,
-        num_spec_tokens: int,
-        log_stats: bool,
-        connector: KVConnectorBase | None,
-        structured_output_manager: StructuredOutputManager | None,
-    ) -> None:
-        self.lifecycle = lifecycle
-        self.requests = lifecycle.requests
-        # Shared with admission: ids whose remote KV arrived -> how many of
-        # their leading blocks hold valid KV (None: all), added here.
-        self.finished_recving_kv_req_ids = finished_recving_kv_req_ids
-        self.make_stats = make_stats
-        self.max_model_len = max_model_len
-        self.num_spec_tokens = num_spec_tokens
-        self.log_stats = log_stats
-        self.connector = connector
-        self.structured_output_manager = structured_output_manager
+    A mixin with no state of its own; it frees and forks requests through
+    the scheduler's lifecycle methods (``lifecycle``).
+    """
+
+    # The scheduler's state these methods read and change (see Scheduler.__init__).
+    requests: dict[str, Request]
+    kv_cache_manager: KVCacheManager
+    connector: KVConnectorBase | None
+    structured_output_manager: StructuredOutputManager | None
+    # Ids whose remote KV arrived -> how many of their leading blocks hold
+    # valid KV (None: all): added here, taken by admission.
+    finished_recving_kv_req_ids: dict[str, int | None]
+    max_model_len: int
+    num_spec_tokens: int
+    log_stats: bool
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -82,8 +75,8 @@ class OutputAbsorber:
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
         requests = self.requests
-        free_request = self.lifecycle.free
-        outputs = self.lifecycle.take_orphan_outputs()
+        free_request = self._free_request
+        outputs = self._take_orphan_outputs()
         plain_step = self._is_plain_step(scheduler_output, model_runner_output)
         spec_stats: SpecDecodingStats | None = None
         num_stopped = 0
@@ -116,7 +109,7 @@ class OutputAbsorber:
                 client_outputs = outputs[request.client_index] = []
             client_outputs.append(output)
         if num_stopped:
-            self.lifecycle.remove_finished_from_queues()
+            self._remove_finished_from_queues()
         if model_runner_output.kv_connector_output is not None:
             self._absorb_kv_transfers(model_runner_output.kv_connector_output)
         return self._make_engine_core_outputs(outputs, spec_stats)
@@ -144,7 +137,7 @@ class OutputAbsorber:
             new_token_ids, stopped = self._append_sampled(request, new_token_ids)
         fork = False
         if stopped:
-            kv_transfer_params = self.lifecycle.free(request)
+            kv_transfer_params = self._free_request(request)
         else:
             kv_transfer_params = None
             if runner_output.spec_token_ids is not None:
@@ -161,7 +154,7 @@ class OutputAbsorber:
             )
         if fork:
             # After the output is made: the parent's output does not carry the fork's finish.
-            self.lifecycle.fork(request)
+            self._fork(request)
         return output
 
     def _append_sampled(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
@@ -216,11 +209,11 @@ class OutputAbsorber:
         for req_id in output.finished_sending or ():
             request = self.requests.get(req_id)
             if request is not None:
-                self.lifecycle.free_blocks(request)
+                self._free_blocks(request)
 
     def _num_valid_blocks(self, req_id: str, invalid_block_ids: set[int]) -> int | None:
         """How many of the request's leading blocks precede its first invalid one."""
-        block_ids = self.lifecycle.kv_cache_manager.get_block_ids(req_id)
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
         for i, block_id in enumerate(block_ids):
             if block_id in invalid_block_ids:
                 return i
@@ -233,7 +226,7 @@ class OutputAbsorber:
             client: EngineCoreOutputs(outputs=client_outputs)
             for client, client_outputs in outputs.items()
         }
-        for client, finished in self.lifecycle.take_finished_per_client().items():
+        for client, finished in self._take_finished_per_client().items():
             eco = engine_core_outputs.get(client)
             if eco is None:
                 eco = engine_core_outputs[client] = EngineCoreOutputs()

@@ -6,32 +6,34 @@
                   n children; those that fit run at once on its blocks,
                   the others wait holding nothing
 
-``RequestLifecycle`` owns: the checks a new request must pass; starting its
-grammar; the parallel-sampling forks; finishing requests from outside, from
-any thread (cancellation) or because they can never run; freeing a finished
-request (its blocks go back at once, or once a KV connector has sent them);
-and the ids finished since the last step, which the runner and the front
-ends are told about.
+``RequestLifecycle`` holds the ``Scheduler``'s methods for: the checks a
+new request must pass; starting its grammar; the parallel-sampling forks;
+finishing requests from outside, from any thread (cancellation) or because
+they can never run; freeing a finished request (its blocks go back at once,
+or once a KV connector has sent them); and the ids finished since the last
+step, which the runner and the front ends are told about.
 
-It shares the scheduler's ``requests``, ``running`` and ``waiting``: the
-same objects, changed in place and never rebound, so both see one state.
-The scheduler decides who runs; this module only moves requests in and out.
+It is a mixin of the scheduler, which owns the state (declared in
+``Scheduler.__init__``): ``requests``, ``running``, ``waiting`` and the id
+sets below live on one object. The scheduler decides who runs; these
+methods only move requests in and out.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from cadence.core.outputs import EngineCoreOutput
 from cadence.core.request import Request, RequestEventType, RequestStatus
-from cadence.core.sched.parallel_sampling import ForkRegistry
 
 if TYPE_CHECKING:
+    from cadence.config import SchedulerConfig
     from cadence.core.kv_cache import KVCacheManager
     from cadence.core.sched.encoder import EncoderCacheManager
     from cadence.core.sched.kv_connector import KVConnectorBase
+    from cadence.core.sched.parallel_sampling import ForkRegistry
     from cadence.core.sched.policy import RequestQueue
     from cadence.core.sched.structured_output import StructuredOutputManager
 
@@ -41,58 +43,44 @@ _PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
 
 
 class RequestLifecycle:
-    """Adds, forks, finishes and frees requests; remembers which finished."""
+    """Methods of ``Scheduler`` that add, fork, finish and free requests.
 
-    def __init__(
-        self,
-        requests: dict[str, Request],
-        running: list[Request],
-        waiting: RequestQueue,
-        kv_cache_manager: KVCacheManager,
-        encoder_cache_manager: EncoderCacheManager,
-        *,
-        max_model_len: int,
-        max_num_running_reqs: int,
-        connector: KVConnectorBase | None,
-        structured_output_manager: StructuredOutputManager | None,
-        log_stats: bool,
-        include_finished_set: bool,
-    ) -> None:
-        self.requests = requests
-        self.running = running
-        self.waiting = waiting
-        self.kv_cache_manager = kv_cache_manager
-        self.encoder_cache_manager = encoder_cache_manager
-        self.max_model_len = max_model_len
-        self.max_num_running_reqs = max_num_running_reqs
-        self.connector = connector
-        self.structured_output_manager = structured_output_manager
-        self.log_stats = log_stats
-        self.forks = ForkRegistry(kv_cache_manager.block_size)
-        # Finished since the last schedule(): the runner drops their state.
-        self.finished_req_ids: set[str] = set()
-        # The same per client, for front ends that asked (include_finished_set).
-        self.finished_req_ids_dict: dict[int, set[str]] | None = (
-            defaultdict(set) if include_finished_set else None
-        )
-        # Thread-safe cancellation: other threads queue ids, schedule() applies them.
-        self._cancel_lock = threading.Lock()
-        self._pending_cancels: set[str] = set()
-        # Running requests the runner has not seen yet (forked children).
-        self.unsent_running: set[str] = set()
-        # Finished requests whose blocks a KV connector still sends: the engine
-        # keeps stepping until it reports them sent (or gives up on them).
-        self.sending_req_ids: set[str] = set()
-        # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
-        self._orphan_outputs: list[EngineCoreOutput] = []
-        self._orphan_clients: list[int] = []
+    A mixin with no state of its own: it reads and changes the scheduler's
+    ``requests``, ``running`` and ``waiting``, and the finished, sending and
+    unsent id sets that ``Scheduler.__init__`` declares.
+    """
+
+    # The scheduler's state these methods read and change (see Scheduler.__init__).
+    config: SchedulerConfig
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: RequestQueue
+    kv_cache_manager: KVCacheManager
+    encoder_cache_manager: EncoderCacheManager
+    connector: KVConnectorBase | None
+    structured_output_manager: StructuredOutputManager | None
+    forks: ForkRegistry
+    finished_req_ids: set[str]
+    finished_req_ids_dict: dict[int, set[str]] | None
+    unsent_running: set[str]
+    sending_req_ids: set[str]
+    max_model_len: int
+    max_num_running_reqs: int
+    max_num_scheduled_tokens: int
+    log_stats: bool
+    _check_admission: Callable[[Request], None] | None  # the policy's hook, if it has one
+    _cancel_lock: threading.Lock
+    _pending_cancels: set[str]  # cancelled from other threads, applied by schedule()
+    _orphan_outputs: list[EngineCoreOutput]  # of requests finished inside schedule()
+    _orphan_clients: list[int]
 
     # ------------------------------------------------------------------
     # entering
     # ------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        """Check and queue a new request (or, n > 1 with nothing to share, its children)."""
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ``ValueError`` naming the field if it can never run here
+        (or, n > 1 with nothing to share, queue its children)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in the scheduler")
         if request.num_prompt_tokens == 0:
@@ -104,6 +92,14 @@ class RequestLifecycle:
             )
         if request.use_structured_output and self.structured_output_manager is None:
             raise ValueError("structured_outputs: this engine has no grammar backend")
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_scheduled_tokens:
+            # It would wait forever, and (the queue stops behind it) so would everyone after it.
+            raise ValueError(
+                f"prompt: {request.num_prompt_tokens} tokens exceed max_num_batched_tokens="
+                f"{self.max_num_scheduled_tokens}, and without chunked prefill a prompt is "
+                "prefilled in one step")
+        if self._check_admission is not None:
+            self._check_admission(request)  # the policy's, e.g. a latency target out of reach
         if request.sampling_params.n > 1:
             children = self.forks.prepare(request, self.kv_cache_manager)
             if children is not None:  # too short to share a block: fork at once
@@ -131,7 +127,7 @@ class RequestLifecycle:
     # forking (n > 1)
     # ------------------------------------------------------------------
 
-    def fork(self, parent: Request) -> None:
+    def _fork(self, parent: Request) -> None:
         """Replace a parent that computed its shared prefix by its n children.
 
         Children that fit under max_num_seqs run at once, holding references to
@@ -165,7 +161,7 @@ class RequestLifecycle:
     # finishing
     # ------------------------------------------------------------------
 
-    def finish(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests (and a forked parent's live children); unknown ids are ignored."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status: {finished_status!r} is not a finished status")
@@ -186,28 +182,28 @@ class RequestLifecycle:
             self.waiting.remove_requests(waiting)
         for request in requests:
             request.status = finished_status
-            self.free(request)
+            self._free_request(request)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel_request(self, request_id: str) -> None:
         """Abort a request from any thread; applied at the start of the next step."""
         with self._cancel_lock:
             self._pending_cancels.add(request_id)
 
-    def apply_cancellations(self) -> None:
+    def _apply_cancellations(self) -> None:
         """Abort the requests cancelled since the last call (``schedule()`` calls it first)."""
         if not self._pending_cancels:
             return
         with self._cancel_lock:
             cancels, self._pending_cancels = self._pending_cancels, set()
-        self.finish(cancels, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(cancels, RequestStatus.FINISHED_ABORTED)
 
-    def abort_unservable(self, request: Request, reason: str) -> None:
+    def _abort_unservable(self, request: Request, reason: str) -> None:
         """Finish a request that can never run; its client hears it in the next outputs.
 
         The caller has taken it off the waiting queue."""
         request.status = RequestStatus.FINISHED_ABORTED
         request.stop_reason = reason
-        self.free(request)
+        self._free_request(request)
         self._orphan_outputs.append(
             EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[],
@@ -217,7 +213,7 @@ class RequestLifecycle:
         )
         self._orphan_clients.append(request.client_index)
 
-    def remove_finished_from_queues(self) -> None:
+    def _remove_finished_from_queues(self) -> None:
         """Drop requests that stopped in this step from ``running`` and ``waiting``."""
         self.running[:] = [r for r in self.running if r.status <= _PREEMPTED]
         finished_waiting = [r for r in self.waiting if r.status > _PREEMPTED]
@@ -228,7 +224,7 @@ class RequestLifecycle:
     # leaving
     # ------------------------------------------------------------------
 
-    def free(self, request: Request) -> dict[str, Any] | None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
         """A finished request leaves; its blocks go back unless a connector still
         sends them. Returns the connector's transfer params for the client."""
         delay_free, kv_transfer_params = False, None
@@ -244,10 +240,10 @@ class RequestLifecycle:
         if delay_free:
             self.sending_req_ids.add(request.request_id)
         else:
-            self.free_blocks(request)
+            self._free_blocks(request)
         return kv_transfer_params
 
-    def free_blocks(self, request: Request) -> None:
+    def _free_blocks(self, request: Request) -> None:
         """The last step of leaving: blocks back to the pool, the request forgotten."""
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.free_block_hashes(request)
@@ -258,12 +254,12 @@ class RequestLifecycle:
     # what finished, for the step's outputs
     # ------------------------------------------------------------------
 
-    def take_finished_req_ids(self) -> set[str]:
+    def _take_finished_req_ids(self) -> set[str]:
         """Ids finished since the last call, for the runner to drop."""
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return finished
 
-    def take_finished_per_client(self) -> dict[int, set[str]]:
+    def _take_finished_per_client(self) -> dict[int, set[str]]:
         """Ids finished since the last call, per client (always empty unless
         ``include_finished_set``)."""
         finished = self.finished_req_ids_dict
@@ -272,7 +268,7 @@ class RequestLifecycle:
         self.finished_req_ids_dict = defaultdict(set)
         return finished
 
-    def take_orphan_outputs(self) -> dict[int, list[EngineCoreOutput]]:
+    def _take_orphan_outputs(self) -> dict[int, list[EngineCoreOutput]]:
         """Outputs per client of requests finished inside ``schedule()``."""
         outputs: dict[int, list[EngineCoreOutput]] = {}
         if self._orphan_outputs:

@@ -8,12 +8,17 @@ When a running request needs a block and none is free, the policy's victim
 is preempted (blocks freed, recomputed later), and nothing new is admitted in
 that step.
 
-This module decides who runs and builds the ``SchedulerOutput``. Its two
-neighbours own the rest of a request's life:
+This module decides who runs and builds the ``SchedulerOutput``. The
+``Scheduler`` is the one owner of the queues (``waiting``, ``running``), the
+request map and the finished/sending id sets, all declared in its
+``__init__``; two mixins hold its methods for the rest of a request's life:
 
 - ``lifecycle``: add, finish, cancel, fork (n > 1) and free requests;
 - ``absorb``: ``update_from_output``, the runner's sampled tokens turned
   into request state and per-client outputs.
+
+Nothing outside ``core/sched`` reaches into that state: the simulator and
+the engine read it through the query methods at the end of this class.
 
 Features keep their logic in their own modules; ``schedule()`` calls them:
 ``policy`` (queue order, victim), ``admission`` (safety margin, prefill-first,
@@ -24,12 +29,15 @@ KV-read budget), ``encoder``, ``spec_decode``, ``structured_output``,
 from __future__ import annotations
 
 import enum
+import threading
 import time
+from collections import defaultdict
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from cadence.core.kv_cache import KVCacheManager
 from cadence.core.outputs import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
     PrefixCacheStats,
@@ -43,6 +51,7 @@ from cadence.core.sched.encoder import EncoderCacheManager, free_consumed_encode
 from cadence.core.sched.interface import SchedulerInterface
 from cadence.core.sched.lifecycle import RequestLifecycle
 from cadence.core.sched.lora import LoRABatchLimit
+from cadence.core.sched.parallel_sampling import ForkRegistry
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.core.sched.prefill_caps import is_prefilling
 from cadence.core.sched.policy import make_policy
@@ -71,7 +80,7 @@ class Admission(enum.Enum):
     STOP = "stop"
 
 
-class Scheduler(SchedulerInterface):
+class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
     """Continuous-batching scheduler over a paged KV cache."""
 
     def __init__(
@@ -119,7 +128,7 @@ class Scheduler(SchedulerInterface):
         self._defers_prefill = policy.defers_prefill if overrides("defers_prefill") else None
         self._begin_step = policy.begin_step if overrides("begin_step") else None
         self._step_budget = policy.step_budget if overrides("step_budget") else None
-        # Shared with the lifecycle and the absorber: changed in place, never rebound.
+        # The queues and the request map: this object is their one owner.
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -144,25 +153,23 @@ class Scheduler(SchedulerInterface):
         self._loaded_waiting: set[str] = set()
         self.structured_output_manager = structured_output_manager
         self.async_scheduling = scheduler_config.async_scheduling
-        self.lifecycle = RequestLifecycle(
-            self.requests, self.running, self.waiting,
-            self.kv_cache_manager, self.encoder_cache_manager,
-            max_model_len=self.max_model_len,
-            max_num_running_reqs=self.max_num_running_reqs,
-            connector=kv_connector,
-            structured_output_manager=structured_output_manager,
-            log_stats=log_stats,
-            include_finished_set=include_finished_set,
-        )
-        self.forks = self.lifecycle.forks
-        self.absorber = OutputAbsorber(
-            self.lifecycle, self.finished_recving_kv_req_ids, self.make_stats,
-            max_model_len=self.max_model_len,
-            num_spec_tokens=self.num_spec_tokens,
-            log_stats=log_stats,
-            connector=kv_connector,
-            structured_output_manager=structured_output_manager,
-        )
+        self.forks = ForkRegistry(cache_config.block_size)  # parallel sampling (n > 1)
+        # Finished since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        # The same per client, for front ends that asked (include_finished_set).
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None)
+        # Running requests the runner has not seen yet (forked children).
+        self.unsent_running: set[str] = set()
+        # Finished requests whose blocks a KV connector still sends: the engine
+        # keeps stepping until it reports them sent (or gives up on them).
+        self.sending_req_ids: set[str] = set()
+        # Thread-safe cancellation: other threads queue ids, schedule() applies them.
+        self._cancel_lock = threading.Lock()
+        self._pending_cancels: set[str] = set()
+        # Outputs of requests finished inside schedule() (e.g. a grammar that failed).
+        self._orphan_outputs: list[EngineCoreOutput] = []
+        self._orphan_clients: list[int] = []
         self.kv_events: list[KVCacheEvent] = []
         self.step_counter = 0
         # Waiting request id -> the step it was first blocked (max_blocked_bypass_steps).
@@ -177,7 +184,7 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.lifecycle.apply_cancellations()
+        self._apply_cancellations()
         if self._begin_step is not None:
             self._begin_step(self.running)
         budget = self.max_num_scheduled_tokens
@@ -210,7 +217,7 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         allocate = self.kv_cache_manager.allocate_slots
         lookahead = self.num_lookahead_tokens
-        unsent = self.lifecycle.unsent_running
+        unsent = self.unsent_running
         schedule_running = plan.schedule_running
         if requests is not None:
             order = requests
@@ -313,7 +320,7 @@ class Scheduler(SchedulerInterface):
         plan.drop_encoder_inputs(request, self.encoder_cache_manager)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
-        unsent = self.lifecycle.unsent_running
+        unsent = self.unsent_running
         if request.request_id in unsent or sent_this_step:
             # Never sent to the runner: it will start as a new request.
             unsent.discard(request.request_id)
@@ -348,7 +355,7 @@ class Scheduler(SchedulerInterface):
                 error = request.structured_output_request.error
                 if not error.startswith("structured_outputs"):
                     error = f"structured_outputs: {error}"
-                self.lifecycle.abort_unservable(request, error)
+                self._abort_unservable(request, error)
                 continue
             if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
                 break
@@ -620,7 +627,7 @@ class Scheduler(SchedulerInterface):
             scheduled_spec_decode_tokens=plan.spec_tokens,
             scheduled_encoder_inputs=plan.encoder_inputs,
             num_common_prefix_blocks=self._num_common_prefix_blocks(),
-            finished_req_ids=self.lifecycle.take_finished_req_ids(),
+            finished_req_ids=self._take_finished_req_ids(),
             preempted_req_ids={r.request_id for r in plan.preempted},
             free_encoder_input_ids=self.encoder_cache_manager.take_freed_ids(),
             structured_output_request_ids=structured_ids,
@@ -702,34 +709,6 @@ class Scheduler(SchedulerInterface):
     # update_from_output() and requests from outside
     # ------------------------------------------------------------------
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
-        """Absorb the step's sampled tokens; the new outputs per client (see ``absorb``)."""
-        return self.absorber.update_from_output(scheduler_output, model_runner_output)
-
-    def add_request(self, request: Request) -> None:
-        """Queue a new request; ``ValueError`` if it can never run here (see ``lifecycle``)."""
-        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_scheduled_tokens:
-            # It would wait forever, and (the queue stops behind it) so would everyone after it.
-            raise ValueError(
-                f"prompt: {request.num_prompt_tokens} tokens exceed max_num_batched_tokens="
-                f"{self.max_num_scheduled_tokens}, and without chunked prefill a prompt is "
-                "prefilled in one step")
-        if self._check_admission is not None:
-            self._check_admission(request)  # e.g. SLOUnattainable: a target out of reach
-        self.lifecycle.add(request)
-
-    def finish_requests(
-        self, request_ids: str | Iterable[str], finished_status: RequestStatus
-    ) -> None:
-        """Finish requests from outside; a forked parent's id finishes its children too."""
-        self.lifecycle.finish(request_ids, finished_status)
-
-    def cancel_request(self, request_id: str) -> None:
-        """Abort a request from any thread; applied at the start of the next step."""
-        self.lifecycle.cancel(request_id)
-
     # ------------------------------------------------------------------
     # queries
     # ------------------------------------------------------------------
@@ -740,15 +719,22 @@ class Scheduler(SchedulerInterface):
     def has_requests(self) -> bool:
         # The interface's answer in one expression: an engine loop asks every step.
         # Blocks a KV connector still sends count: their frees come in steps.
-        lifecycle = self.lifecycle
-        return bool(self.running or self.waiting or lifecycle.finished_req_ids
-                    or lifecycle.sending_req_ids)
+        return bool(self.running or self.waiting or self.finished_req_ids
+                    or self.sending_req_ids)
 
     def has_finished_requests(self) -> bool:
-        return len(self.lifecycle.finished_req_ids) > 0
+        return len(self.finished_req_ids) > 0
 
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished (or still sending) request of this id, if any."""
+        return self.requests.get(request_id)
+
+    def num_sending_requests(self) -> int:
+        """Finished requests whose blocks a KV connector still sends."""
+        return len(self.sending_req_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
