@@ -31,7 +31,7 @@ import zmq
 from cadence.config import EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, PrefixCacheStats
 from cadence.core.request import LoRARequest
-from cadence.core.sched.slo import SLOUnattainable
+from cadence.core.sched.policy import AdmissionRefused
 from cadence.engine import wire
 
 _IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent lives
@@ -206,7 +206,7 @@ class EngineCoreProc:
         except ValueError as err:
             error = wire.RequestError(message.request_id, str(err))
             self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
-        except SLOUnattainable as err:
+        except AdmissionRefused as err:
             error = wire.RequestError(message.request_id, str(err), err.retry_after_s)
             self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
 

@@ -18,7 +18,7 @@ again within a few steps.
 
 from __future__ import annotations
 
-from cadence.core.sched.slo import StepTimeModel
+from cadence.core.step_time import StepTimeModel
 
 # Weight of the newest verification in a request's moving average.
 ACCEPTANCE_EMA_WEIGHT = 0.5

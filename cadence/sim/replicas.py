@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.core.kv_cache.events import KVCacheEvent
-from cadence.core.sched.slo import SLOUnattainable
+from cadence.core.sched.policy import AdmissionRefused
 from cadence.engine.dp_router import DPRouter
 from cadence.engine.kv_events import KVEventBatch
 from cadence.sim.cost_model import CostModel
@@ -161,7 +161,7 @@ class ReplicaFleet:
         replica = self.replicas[rank]
         try:
             replica.core.add_request(request)
-        except SLOUnattainable:  # the slo policy refused it at admission (slo_reject)
+        except AdmissionRefused:  # the policy refused it at this load (e.g. slo with slo_reject)
             self.router.release(request.request_id)
             recorder.on_reject(index)
             return

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from cadence.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
-from cadence.core.sched.slo import SLOUnattainable
+from cadence.core.sched.policy import AdmissionRefused
 from cadence.core.request import Request
 from cadence.core.sched.kv_connector import KVConnectorBase
 from cadence.core.sched.scheduler import Scheduler
@@ -243,7 +243,7 @@ def _inject(core, specs, index, factory, recorder) -> None:
     request = factory.make(index, spec)
     try:
         core.add_request(request)
-    except SLOUnattainable:  # the slo policy refused it at admission (slo_reject)
+    except AdmissionRefused:  # the policy refused it at this load (e.g. slo with slo_reject)
         recorder.on_reject(index)
         return
     recorder.on_arrival(index, request.request_id, spec.arrival_time)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cadence.config import SchedulerConfig
-from cadence.core.sched.slo import SLOPolicy, SLOUnattainable, StepTimeModel
+from cadence.core.sched.slo import SLOPolicy, SLOUnattainable
+from cadence.core.step_time import StepTimeModel
 from cadence.core.testing import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
 
 

@@ -49,6 +49,15 @@ class RequestQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
+class AdmissionRefused(Exception):
+    """A policy refuses a valid request at the current load (``check_admission``):
+    servers answer 429 with ``retry_after_s``; the simulator counts a rejection."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class SchedulingPolicy:
     """What the scheduler asks of a policy: every hook it calls, each with the
     default a policy gets when it leaves the hook out (subclass this class,
@@ -96,7 +105,9 @@ class SchedulingPolicy:
         return None
 
     def check_admission(self, request: Request) -> None:
-        """Raise (a ``ValueError`` naming the field) to refuse a new request."""
+        """Raise to refuse a new request: a ``ValueError`` naming the field when
+        the request itself is wrong (HTTP 400), an ``AdmissionRefused`` when the
+        load refuses it now (HTTP 429, with its Retry-After)."""
 
     def begin_step(self, running: list[Request]) -> None:
         """Called first in each ``schedule()``."""
