@@ -42,7 +42,7 @@ import torch
 
 from cadence import cpu_features
 from cadence.cpu_features import CpuFeatures
-from cadence.models import packed_weights
+from cadence.kernels import packed_weights
 from cadence.models.config import ModelConfig
 from cadence.runner.cpu_paths import emulation_note
 

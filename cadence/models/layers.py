@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, overload
 import torch
 import torch.nn.functional as F
 
-from cadence.models import packed_weights, quantized
+from cadence.kernels import packed_weights
+from cadence.models import quantized
 from cadence.models.quantized import Part, QuantizedTensor
 
 if TYPE_CHECKING:

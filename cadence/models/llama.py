@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from cadence.models import packed_weights, quantized
+from cadence.kernels import packed_weights
+from cadence.models import quantized
 from cadence.models.config import ModelConfig
 from cadence.models.layers import Embedding, FusedLinear, GatedMLP, HeadRMSNorm, Linear, RMSNorm
 from cadence.models.moe import SparseMoE

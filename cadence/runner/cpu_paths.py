@@ -44,7 +44,7 @@ import torch
 
 from cadence import cpu_features
 from cadence.cpu_features import CpuFeatures
-from cadence.models import packed_weights
+from cadence.kernels import packed_weights
 
 if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cadence import cpu_features
-from cadence.models import packed_weights
+from cadence.kernels import packed_weights
 from cadence.models.attention_ref import ReferenceAttention
 from cadence.models.layers import Linear
 from cadence.models.testing import random_model, tiny_config
