@@ -14,9 +14,6 @@ from typing import Any
 # registered with ``cadence.core.sched.policy.register_policy`` in this process
 # (which adds them here). A "package.module:factory" path names one anywhere.
 SCHEDULING_POLICIES = ["fcfs", "priority", "fair", "slo", "lpm"]
-# Options that belong to one policy (refused with any other).
-POLICY_OPTIONS = {"fair": ("fair_client_weights", "fair_short_step_tokens"),
-                  "slo": ("slo_ttft_s", "slo_tpot_s", "slo_reject"), "lpm": ("lpm_max_bypass",)}
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Drafting methods that need KV slots beyond the verified tokens for the
@@ -24,11 +21,14 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOOKAHEAD_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with its help text (read by the CLI generator)."""
+def option(default: Any, help: str, *, policy: str | None = None) -> Any:
+    """A dataclass field with its help text (read by the CLI generator).
+
+    ``policy``: the scheduling policy the option belongs to; set under any
+    other policy it is refused. That policy's module checks its value."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults are not allowed in config classes")
-    return field(default=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help, "policy": policy})
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -72,28 +72,34 @@ class SchedulerConfig:
                                  "lpm (longest cached prefix first, waiting bounded by "
                                  "lpm_max_bypass); or a policy's 'package.module:factory'.")
     fair_client_weights: str | None = option(
-        None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1)."
+        None, "With policy fair: client shares, e.g. 'alice=2,bob=1' (unnamed clients 1).",
+        policy="fair"
     )
     fair_short_step_tokens: int | None = option(
         None, "With policy fair: the token budget of a step that serves only more-served "
               "clients' prompts while a less-served client is active, so that client's next "
               "request waits for a short step in flight (default: 3/8 of "
-              "max_num_batched_tokens; max_num_batched_tokens turns it off)."
+              "max_num_batched_tokens; max_num_batched_tokens turns it off).",
+        policy="fair"
     )
     slo_ttft_s: float | None = option(
-        None, "With policy slo: the time-to-first-token target of requests that set none (s)."
+        None, "With policy slo: the time-to-first-token target of requests that set none (s).",
+        policy="slo"
     )
     slo_tpot_s: float | None = option(
-        None, "With policy slo: the time-per-output-token target of requests that set none (s)."
+        None, "With policy slo: the time-per-output-token target of requests that set none (s).",
+        policy="slo"
     )
     slo_reject: bool = option(
         False, "With policy slo: refuse (HTTP 429, Retry-After) a request whose TTFT target "
-               "is predicted to be missed."
+               "is predicted to be missed.",
+        policy="slo"
     )
     lpm_max_bypass: int | None = option(
         None, "With policy lpm: how many later requests may be admitted before a waiting one; "
               "then it goes first, whatever its cached prefix (the bound on waiting; default "
-              "16; a huge value leaves lpm unbounded, as SGLang ships it)."
+              "16; a huge value leaves lpm unbounded, as SGLang ships it).",
+        policy="lpm"
     )
     async_scheduling: bool = option(
         False, "Schedule the next step while the current one runs (output placeholders): the "
@@ -151,23 +157,11 @@ class SchedulerConfig:
             _require(self.long_prefill_token_threshold > 0, "max_long_partial_prefills",
                      "needs long_prefill_token_threshold > 0 (what makes a prompt long)")
         _require(self.max_blocked_bypass_steps >= 0, "max_blocked_bypass_steps", "must be >= 0")
-        for name in ("slo_ttft_s", "slo_tpot_s"):
-            value = getattr(self, name)
-            if value is not None:
-                _require(self.policy == "slo", name, "applies to policy slo only")
-                _require(0 < value < float("inf"), name, "must be a positive number of seconds")
-        if self.slo_reject:
-            _require(self.policy == "slo", "slo_reject", "applies to policy slo only")
-        if self.fair_client_weights is not None:
-            _require(self.policy == "fair", "fair_client_weights", "applies to policy fair only")
-            parse_client_weights(self.fair_client_weights)
-        if self.lpm_max_bypass is not None:
-            _require(self.policy == "lpm", "lpm_max_bypass", "applies to policy lpm only")
-            _require(self.lpm_max_bypass >= 0, "lpm_max_bypass", "must be >= 0")
-        if self.fair_short_step_tokens is not None:
-            _require(self.policy == "fair", "fair_short_step_tokens", "applies to policy fair only")
-            _require(1 <= self.fair_short_step_tokens <= self.max_num_batched_tokens,
-                     "fair_short_step_tokens", "must be between 1 and max_num_batched_tokens")
+        for option_field in dataclasses.fields(self):
+            owner = option_field.metadata.get("policy")
+            if owner is not None and owner != self.policy \
+                    and getattr(self, option_field.name) != option_field.default:
+                raise ValueError(f"{option_field.name}: applies to policy {owner} only")
         if self.preemption_mode is not None:
             _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                      f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
@@ -199,6 +193,19 @@ class SchedulerConfig:
             return self.encoder_cache_size
         return self.encoder_compute_budget
 
+
+
+def _options_by_policy() -> dict[str, tuple[str, ...]]:
+    by_policy: dict[str, tuple[str, ...]] = {}
+    for option_field in dataclasses.fields(SchedulerConfig):
+        owner = option_field.metadata.get("policy")
+        if owner is not None:
+            by_policy[owner] = by_policy.get(owner, ()) + (option_field.name,)
+    return by_policy
+
+
+# The options that belong to one policy (refused with any other), by policy.
+POLICY_OPTIONS = _options_by_policy()
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -653,20 +660,3 @@ def parse_memory(value: str | int | float, available_bytes: int) -> int:
     if scale == 1 and number < 1:
         return int(number * available_bytes)  # a fraction of what is free
     return int(number * scale)
-
-
-def parse_client_weights(text: str | None) -> dict[str | None, float]:
-    """``"alice=2,bob=0.5"`` -> {"alice": 2.0, "bob": 0.5}; ValueError naming the option."""
-    weights: dict[str | None, float] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        name, sep, value = item.partition("=")
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = float("nan")
-        if not sep or not name.strip() or not weight > 0 or weight == float("inf"):
-            raise ValueError(f"fair_client_weights: expected name=weight (weight > 0) pairs, got {item!r}")
-        weights[name.strip()] = weight
-    return weights

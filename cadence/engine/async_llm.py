@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from cadence.config import EngineConfig, EngineOptions
 from cadence.core.outputs import EngineCoreOutputs, SchedulerStats
+from cadence.core.sched.policy import configured_policy
 from cadence.core.request import LoRARequest, Request
 from cadence.engine.core_proc import start_engine_process
 from cadence.engine.inputs import make_request
@@ -284,10 +285,10 @@ class AsyncLLM:
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
         self._grammar_limits = GrammarLimits.of(options.engine)
-        self.refuses_under_load = scheduler.policy == "slo" and scheduler.slo_reject
+        policy = configured_policy(scheduler)  # its options refused here, before a process starts
+        self.refuses_under_load = policy.may_refuse_admission()
+        self._slo_defaults = policy.latency_targets()
         self._kv_transfer_check = kv_transfer_params_checker(options.kv_transfer)
-        if scheduler.policy == "slo":
-            self._slo_defaults = (scheduler.slo_ttft_s, scheduler.slo_tpot_s)
         process = self._spawn_engine(options, model_name)
         self.process = process  # owned from here: shutdown() stops it even if loading fails
         tokenizer = await asyncio.to_thread(load_tokenizer, options.engine.model)

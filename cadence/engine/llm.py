@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from cadence.config import EngineOptions
 from cadence.core.outputs import SpecDecodingStats
 from cadence.core.request import LoRARequest
+from cadence.core.sched.policy import configured_policy
 from cadence.engine.builder import Engine, build_engine
 from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
 from cadence.engine.output_processor import OutputProcessor
@@ -34,9 +35,10 @@ class LLM:
         if parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray":
             raise ValueError("data_parallel_size: engine replicas serve behind cadence serve; "
                              "offline generation runs one engine in this process")
-        if self.options.scheduler.slo_reject:
-            raise ValueError("slo_reject: refuses requests under load, which only a server can "
-                             "answer (429); offline generation runs every request")
+        if configured_policy(self.options.scheduler).may_refuse_admission():
+            raise ValueError(f"policy: {self.options.scheduler.policy} as configured refuses requests "
+                             "under load, which only a server can answer (429); offline generation "
+                             "runs every request")
         self.engine: Engine = build_engine(self.options)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)

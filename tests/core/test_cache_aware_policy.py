@@ -68,3 +68,5 @@ def test_an_unbounded_lpm_starves_the_cold_request_to_the_end():
 def test_the_bound_is_an_lpm_option():
     with pytest.raises(ValueError, match=r"^lpm_max_bypass: applies to policy lpm only"):
         new_scheduler(policy="fcfs", lpm_max_bypass=4)
+    with pytest.raises(ValueError, match=r"^lpm_max_bypass: must be >= 0"):
+        new_scheduler(policy="lpm", lpm_max_bypass=-1)

@@ -6,6 +6,7 @@ import pytest
 
 from cadence.config import SchedulerConfig
 from cadence.core.sched import fair
+from cadence.core.sched.policy import configured_policy
 from cadence.core.testing import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
 
 
@@ -163,7 +164,8 @@ def test_short_step_option_is_checked():
     with pytest.raises(ValueError, match="fair_short_step_tokens"):
         SchedulerConfig(policy="fcfs", fair_short_step_tokens=16)
     with pytest.raises(ValueError, match="fair_short_step_tokens"):
-        SchedulerConfig(policy="fair", max_num_batched_tokens=64, fair_short_step_tokens=65)
+        configured_policy(SchedulerConfig(policy="fair", max_num_batched_tokens=64,
+                                          fair_short_step_tokens=65))
     s = new_scheduler(policy="fair", max_num_batched_tokens=64, fair_short_step_tokens=64)
     assert s.policy.short_step_tokens is None  # the whole budget: no short steps
 
@@ -184,7 +186,9 @@ def test_client_weight_option_is_checked():
     with pytest.raises(ValueError, match=r"^fair_client_weights: applies to policy fair only"):
         SchedulerConfig(fair_client_weights="a=2")
     with pytest.raises(ValueError, match=r"^fair_client_weights: expected name=weight"):
-        SchedulerConfig(policy="fair", fair_client_weights="a=0")
+        configured_policy(SchedulerConfig(policy="fair", fair_client_weights="a=0"))
+    with pytest.raises(ValueError, match=r"^fair_short_step_tokens: must be between 1"):
+        new_scheduler(policy="fair", fair_short_step_tokens=0)
 
 
 def test_fair_queue_keeps_every_request_once():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadence.config import SchedulerConfig
+from cadence.core.sched.policy import configured_policy
 from cadence.core.sched.slo import SLOPolicy, SLOUnattainable
 from cadence.core.step_time import StepTimeModel
 from cadence.core.testing import FakeRunner, all_blocks_free, new_request, new_scheduler, run_until_done, step
@@ -95,8 +96,11 @@ def test_slo_options_belong_to_the_slo_policy():
     for name, value in (("slo_ttft_s", 0.5), ("slo_tpot_s", 0.05), ("slo_reject", True)):
         with pytest.raises(ValueError, match=rf"^{name}: applies to policy slo only"):
             SchedulerConfig(**{name: value})
+    # The slo module checks its options' values (wherever the policy is made).
     with pytest.raises(ValueError, match=r"^slo_ttft_s: must be a positive number"):
-        SchedulerConfig(policy="slo", slo_ttft_s=-1.0)
+        configured_policy(SchedulerConfig(policy="slo", slo_ttft_s=-1.0))
+    with pytest.raises(ValueError, match=r"^slo_tpot_s: must be a positive number"):
+        new_scheduler(policy="slo", slo_tpot_s=float("inf"))
 
 
 def test_steps_are_timed_on_the_schedulers_clock():

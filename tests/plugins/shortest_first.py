@@ -2,7 +2,7 @@
 would be: selected by ``policy="tests.plugins.shortest_first:ShortestPromptFirst"``
 (in any process) or, once this module is imported, by ``policy="shortest-first"``."""
 
-from cadence.core.sched.policy import KeyedQueue, SchedulingPolicy, register_policy
+from cadence.core.sched.policy import AdmissionRefused, KeyedQueue, SchedulingPolicy, register_policy
 
 
 @register_policy("shortest-first")
@@ -25,3 +25,20 @@ class NotAPolicy:
 
     def pick_victim(self, running):
         return running[-1]
+
+
+class ShortPromptsOnly(ShortestPromptFirst):
+    """Shortest first, and refuses at the current load any prompt longer than
+    ``MAX_PROMPT_TOKENS``: the contract's ``AdmissionRefused``, which a server
+    answers with 429 and a Retry-After, before any stream begins."""
+
+    MAX_PROMPT_TOKENS = 32
+
+    def may_refuse_admission(self) -> bool:
+        return True
+
+    def check_admission(self, request) -> None:
+        if request.num_prompt_tokens > self.MAX_PROMPT_TOKENS:
+            raise AdmissionRefused(
+                f"prompt: {request.num_prompt_tokens} tokens; this policy admits at most "
+                f"{self.MAX_PROMPT_TOKENS} now", retry_after_s=7.0)

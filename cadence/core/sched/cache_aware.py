@@ -129,6 +129,8 @@ class CacheAwarePolicy(SchedulingPolicy):
 
     def configure(self, config) -> None:
         bound = config.lpm_max_bypass
+        if bound is not None and bound < 0:
+            raise ValueError("lpm_max_bypass: must be >= 0")
         self.max_bypass = DEFAULT_MAX_BYPASS if bound is None else bound
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:

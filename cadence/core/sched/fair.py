@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable, Iterator
 
-from cadence.config import parse_client_weights
 from cadence.core.request import Request
 from cadence.core.sched.policy import SchedulingPolicy
 from cadence.core.sched.prefill_caps import is_prefilling
@@ -201,10 +200,13 @@ class FairPolicy(SchedulingPolicy):
         self.max_num_seqs: int | None = None  # from configure
 
     def configure(self, config) -> None:
-        """Client weights and the short-step budget from the ``SchedulerConfig``."""
+        """Client weights and the short-step budget from the ``SchedulerConfig``
+        (``fair_client_weights``, ``fair_short_step_tokens``)."""
         self.counters.client_weights = parse_client_weights(config.fair_client_weights)
         self.max_num_seqs = config.max_num_seqs
         short = config.fair_short_step_tokens
+        if short is not None and not 1 <= short <= config.max_num_batched_tokens:
+            raise ValueError("fair_short_step_tokens: must be between 1 and max_num_batched_tokens")
         if short is None:
             # 3/8: measured on the H100 roofline and the CPU profile (BENCHMARKS.md,
             # fair-shares-v1); shorter costs throughput where steps have a high fixed cost.
@@ -312,3 +314,19 @@ class FairPolicy(SchedulingPolicy):
             active |= self._queue.clients()
         self.counters.end_step(active)
 
+
+def parse_client_weights(text: str | None) -> dict[str | None, float]:
+    """``"alice=2,bob=0.5"`` -> {"alice": 2.0, "bob": 0.5}; ValueError naming the option."""
+    weights: dict[str | None, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not name.strip() or not weight > 0 or weight == float("inf"):
+            raise ValueError(f"fair_client_weights: expected name=weight (weight > 0) pairs, got {item!r}")
+        weights[name.strip()] = weight
+    return weights

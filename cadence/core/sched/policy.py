@@ -80,7 +80,19 @@ class SchedulingPolicy:
     # ---- set-up -----------------------------------------------------------
 
     def configure(self, config) -> None:
-        """The ``SchedulerConfig``, once, when the scheduler is built."""
+        """The ``SchedulerConfig``, once, when the scheduler is built (and when a
+        front end checks the options). The policy reads its own options
+        there and raises a ``ValueError`` naming one whose value it refuses."""
+
+    def latency_targets(self) -> tuple[float | None, float | None]:
+        """The deployment's (TTFT, TPOT) targets for requests that set none;
+        front ends count the requests that met them."""
+        return None, None
+
+    def may_refuse_admission(self) -> bool:
+        """Whether ``check_admission`` may raise ``AdmissionRefused`` (a front
+        end then waits for the engine's word before answering a request)."""
+        return False
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """The clock requests' arrival times are on (virtual in the simulator)."""
@@ -265,6 +277,14 @@ def register_policy(name: str) -> Callable[[Callable[[], SchedulingPolicy]], Cal
         return factory
 
     return register
+
+
+def configured_policy(config) -> SchedulingPolicy:
+    """The ``SchedulerConfig``'s policy, made and configured: a ``ValueError``
+    naming the option if the policy refuses one of its options' values."""
+    policy = make_policy(config.policy)
+    policy.configure(config)
+    return policy
 
 
 def make_policy(name: str) -> SchedulingPolicy:

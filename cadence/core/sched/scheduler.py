@@ -54,7 +54,7 @@ from cadence.core.sched.lora import LoRABatchLimit
 from cadence.core.sched.parallel_sampling import ForkRegistry
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.core.sched.prefill_caps import is_prefilling
-from cadence.core.sched.policy import make_policy
+from cadence.core.sched.policy import configured_policy
 from cadence.core.sched.step import StepPlan
 
 if TYPE_CHECKING:
@@ -115,8 +115,7 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
             enable_kv_cache_events=cache_config.enable_kv_cache_events,
             log_stats=log_stats,
         )
-        policy = self.policy = make_policy(scheduler_config.policy)
-        policy.configure(scheduler_config)
+        policy = self.policy = configured_policy(scheduler_config)
         policy.set_clock(clock)
         policy.bind_kv_cache_manager(self.kv_cache_manager)
         # The hooks a policy overrides; None where it keeps the default (which

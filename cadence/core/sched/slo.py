@@ -57,10 +57,20 @@ class SLOPolicy(SchedulingPolicy):
     # ---- set-up -----------------------------------------------------------
 
     def configure(self, config) -> None:
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(config, name)
+            if value is not None and not 0 < value < _INF:
+                raise ValueError(f"{name}: must be a positive number of seconds")
         self.default_ttft_s = config.slo_ttft_s
         self.default_tpot_s = config.slo_tpot_s
         self.reject = config.slo_reject
         self.token_budget = config.max_num_batched_tokens
+
+    def latency_targets(self) -> tuple[float | None, float | None]:
+        return self.default_ttft_s, self.default_tpot_s
+
+    def may_refuse_admission(self) -> bool:
+        return self.reject
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         self.clock = clock
