@@ -1,6 +1,7 @@
 """Config dataclasses as command-line options, written once for every CLI.
 
     add_config_options(parser, classes)   one --flag per field (help and default from the class)
+    add_config_options(parser, classes, only=names)   only those fields' flags
     options_of(args, classes)             the flags the user gave, by field name
 
 ``cadence generate``, ``cadence serve`` and ``cadence simulate`` all build
@@ -14,7 +15,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any
+from typing import Any, Collection
 
 from cadence.config import (
     CacheConfig, EngineConfig, KVTransferConfig, LoRAConfig, ParallelConfig, RouterConfig,
@@ -29,12 +30,22 @@ ENGINE_OPTION_CLASSES = (
 WHOLE_OBJECT_FLAGS = {KVTransferConfig: "kv_transfer_config"}
 
 
-def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:
-    """One ``--option`` per config field; unset options keep the class default."""
+def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES,
+                       only: Collection[str] | None = None) -> None:
+    """One ``--option`` per config field (or per field named in ``only``, for a
+    command that serves some of a class); unset options keep the class default."""
     for cls in classes:
-        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip())
+        fields = [f for f in dataclasses.fields(cls) if only is None or f.name in only]
+        whole = WHOLE_OBJECT_FLAGS.get(cls)
+        if only is not None and whole not in only:
+            whole = None
+        if not fields and whole is None:
+            continue
+        # A subset's group goes without the class's description, which is of all its fields.
+        description = (cls.__doc__ or "").strip() if only is None else None
+        group = parser.add_argument_group(cls.__name__, description)
         hints = typing.get_type_hints(cls)
-        for field in dataclasses.fields(cls):
+        for field in fields:
             flag = "--" + field.name.replace("_", "-")
             base = _base_type(hints[field.name])
             help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
@@ -50,7 +61,6 @@ def add_config_options(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CL
             else:
                 group.add_argument(flag, dest=field.name, type=base, default=argparse.SUPPRESS,
                                    metavar=base.__name__.upper(), help=help_text)
-        whole = WHOLE_OBJECT_FLAGS.get(cls)
         if whole is not None:
             group.add_argument("--" + whole.replace("_", "-"), dest=whole, type=_json_option(whole),
                                default=argparse.SUPPRESS, metavar="JSON",

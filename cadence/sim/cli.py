@@ -5,9 +5,12 @@
     cadence simulate --cost-model roofline:h200 --model-config path/to/config.json
     cadence simulate calibrate --out cal.json          # time the real CPU runner, fit
 
-Scheduler, cache and workload options are generated from their dataclasses
-(``SchedulerConfig``, ``CacheConfig``, ``SyntheticWorkload``). Importing this
-module is cheap; the simulator, numpy, matplotlib and torch load on use.
+Scheduler, cache, workload and goodput options are generated from their
+dataclasses (``SchedulerConfig``, ``CacheConfig``, ``SyntheticWorkload``,
+``GoodputOptions``), and so are the engine options the simulator models
+(``--kv-offload-size``, ``--data-parallel-size``, ``--dp-load-margin-tokens``):
+one flag each, checked by its class. Importing this module is cheap; the
+simulator, numpy, matplotlib and torch load on use.
 """
 
 from __future__ import annotations
@@ -19,7 +22,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cadence.config import option
+
 SUMMARY_FILE = "summary.json"
+# The engine options the simulator models, generated from their classes
+# (KVTransferConfig, ParallelConfig); the others of those classes it cannot run.
+ENGINE_OPTIONS = ("kv_offload_size", "data_parallel_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class GoodputOptions:
+    """Goodput: the latencies a finished request must meet to count (a request that
+    carries its own targets is judged by those). Not the slo policy's targets,
+    which steer the scheduler (--slo-ttft-s, --slo-tpot-s)."""
+
+    goodput_ttft_s: float = option(2.0, "Time to first token a request must meet to count in goodput (s).")
+    goodput_tpot_s: float = option(0.2, "Time per output token a request must meet to count in goodput (s).")
+
+    def __post_init__(self) -> None:
+        for name in ("goodput_ttft_s", "goodput_tpot_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0 s, got {getattr(self, name)!r}")
+
+    def slo(self) -> Any:
+        """As the metrics take it (``cadence.sim.metrics.SLO``)."""
+        from cadence.sim.metrics import SLO
+
+        return SLO(ttft_s=self.goodput_ttft_s, tpot_s=self.goodput_tpot_s)
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,12 +56,13 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     sim = subparsers.add_parser(
         "simulate", help="simulate serving: the real scheduler on a cost-model runner",
         description=__doc__.split("\n\n")[0], conflict_handler="resolve",
+        allow_abbrev=False,  # an old flag (--slo-ttft) must fail, not abbreviate another (--slo-ttft-s)
     )
     _add_run_options(sim)
     sim.set_defaults(func=cmd_run)
     actions = sim.add_subparsers(dest="sim_action", metavar="{run,calibrate}")
     run = actions.add_parser("run", help="simulate a workload under one or more policies (default)",
-                             conflict_handler="resolve")
+                             conflict_handler="resolve", allow_abbrev=False)
     _add_run_options(run)
     run.set_defaults(func=cmd_run)
     calibrate = actions.add_parser("calibrate", help="time the real CPU runner and fit a cost model")
@@ -48,10 +78,18 @@ def _config_classes() -> tuple[type, ...]:
     return SchedulerConfig, CacheConfig, SyntheticWorkload
 
 
+def _engine_classes() -> tuple[type, ...]:
+    """The classes of ``ENGINE_OPTIONS``."""
+    from cadence.config import KVTransferConfig, ParallelConfig
+
+    return KVTransferConfig, ParallelConfig
+
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     from cadence.config_cli import add_config_options
 
-    add_config_options(parser, _config_classes())
+    add_config_options(parser, (*_config_classes(), GoodputOptions))
+    add_config_options(parser, _engine_classes(), only=ENGINE_OPTIONS)
     # Replaces SchedulerConfig's generated --policy: here it takes a list.
     parser.add_argument("--policy", dest="policies", default="fcfs",
                         help="scheduling policies to compare, comma separated (default: fcfs)")
@@ -64,19 +102,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", metavar="NAME|PATH",
                         help="HF config.json (or its folder), or llama-3-8b / smollm2-135m "
                              "(default: llama-3-8b on GPUs, smollm2-135m on the CPU)")
-    parser.add_argument("--slo-ttft", type=float, default=2.0, metavar="S",
-                        help="goodput SLO on time to first token, seconds (default: 2.0)")
-    parser.add_argument("--slo-tpot", type=float, default=0.2, metavar="S",
-                        help="goodput SLO on time per output token, seconds (default: 0.2)")
     parser.add_argument("--charge-host-time", action="store_true",
                         help="charge the engine loop's measured seconds per step on the virtual clock "
                              "(the host's share: added to the model's time, or overlapped with it "
                              "under --async-scheduling)")
-    parser.add_argument("--kv-offload-size", type=float, default=None, metavar="GIB",
-                        help="a host-memory KV tier of this many GiB (and swap preemption, see "
-                             "--preemption-mode), its copies charged at --copy-link's bandwidth")
     parser.add_argument("--copy-link", default="pcie", choices=("pcie", "nvlink"),
-                        help="the tier's link: pcie (32 GB/s) or nvlink (NVLink-C2C, 450 GB/s)")
+                        help="with --kv-offload-size: the tier's link, its copies charged at its "
+                             "bandwidth: pcie (32 GB/s) or nvlink (NVLink-C2C, 450 GB/s)")
     parser.add_argument("--out", metavar="DIR", help=f"write {SUMMARY_FILE} and PNG plots here")
     _add_data_parallel_options(parser)
     _add_disaggregation_options(parser)
@@ -87,9 +119,6 @@ def _add_data_parallel_options(parser: argparse.ArgumentParser) -> None:
     from cadence.config_cli import add_config_options
 
     add_config_options(parser, (RouterConfig,))  # --dp-load-margin-tokens
-    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                        help="engine-core replicas behind one router, each with the scheduler "
-                             "and cache options above (default: 1)")
     # Replaces RouterConfig's generated --dp-routing: here it takes a list.
     parser.add_argument("--dp-routing", dest="dp_routings", default="cache_aware",
                         help="with --data-parallel-size > 1: routing policies to compare, comma "
@@ -130,13 +159,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from cadence.config_cli import options_of
     from cadence.config import POLICY_OPTIONS, EngineOptions
     from cadence.sim.cost_model import make_cost_model
-    from cadence.sim.metrics import SLO
     from cadence.sim.simulator import compare_policies
     from cadence.sim.workload import SyntheticWorkload, read_trace, write_trace
 
     scheduler_cls, cache_cls, workload_cls = _config_classes()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    kwargs = options_of(args, (scheduler_cls, cache_cls))
+    kwargs = options_of(args, (scheduler_cls, cache_cls, *_engine_classes()))
     # Each policy's own options (fair's weights, slo's targets) go to its run only.
     per_policy = {policy: {name: kwargs.pop(name) for name in names if name in kwargs}
                   for policy, names in POLICY_OPTIONS.items()}
@@ -144,9 +172,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if any(own.values()) and policy not in policies:
             name = next(name for name, value in own.items() if value)
             raise ValueError(f"{name}: applies to policy {policy} only, which --policy does not run")
-    if args.kv_offload_size is not None:
-        kwargs["kv_offload_size"] = args.kv_offload_size
     options = EngineOptions.from_kwargs(**kwargs)
+    goodput = GoodputOptions(**options_of(args, (GoodputOptions,)))
+    num_replicas = options.parallel.data_parallel_size
     kv_tier = None
     if options.kv_transfer is not None:
         from cadence.sim.kv_tier import SimKVTier
@@ -167,15 +195,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save_trace:
         write_trace(args.save_trace, specs)
     cost_model = make_cost_model(args.cost_model, args.model_config)
-    if args.data_parallel_size < 1:
-        raise ValueError("data_parallel_size: must be >= 1")
     if args.prefill_decode is not None:
-        if args.data_parallel_size > 1 or kv_tier is not None:
+        if num_replicas > 1 or kv_tier is not None:
             raise ValueError("prefill_decode: combines with neither --data-parallel-size nor "
                              "--kv-offload-size in the simulator")
         results, per_replica = _simulate_pd(args, specs, policies, options, cost_model,
                                             policy_options), {}
-    elif args.data_parallel_size > 1:
+    elif num_replicas > 1:
         if kv_tier is not None:
             raise ValueError("kv_offload_size: not supported yet with --data-parallel-size > 1 "
                              "in the simulator")
@@ -186,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             specs, policies, options.scheduler, options.cache, cost_model,
             policy_options=policy_options, charge_host_time=args.charge_host_time,
             kv_tier=kv_tier), {}
-    slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
+    slo = goodput.slo()
     # Jain's index weighs each client's service by its fair share, for every policy alike.
     weights = _client_index_weights(policy_options["fair"].get("fair_client_weights"))
     summaries = {policy: result.summary(slo, weights) for policy, result in results.items()}
@@ -202,7 +228,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "workload": workload,
             "cost_model": cost_model.describe(),
             "scheduler": vars_of(options.scheduler),
-            "data_parallel_size": args.data_parallel_size,
+            "data_parallel_size": num_replicas,
             "prefill_decode": args.prefill_decode,
             "cache": vars_of(_cache_of(cost_model, options.cache)),
             "policies": summaries,
@@ -230,7 +256,7 @@ def _simulate_replicas(args: argparse.Namespace, specs: list, policies: list[str
         RouterConfig(dp_routing=routing)
     scheduler = dataclasses.replace(options.scheduler, policy=policies[0],
                                     **policy_options.get(policies[0], {}))
-    runs = compare_routing(specs, routings, args.data_parallel_size, scheduler, options.cache,
+    runs = compare_routing(specs, routings, options.parallel.data_parallel_size, scheduler, options.cache,
                            cost_model, load_margin_tokens=margin,
                            charge_host_time=args.charge_host_time)
     return ({label: run for label, (run, _) in runs.items()},
@@ -303,7 +329,7 @@ ROWS = (
 
 def _client_index_weights(text: str | None) -> dict[int, float]:
     """``client0=2,client1=1`` (the simulator's client names) -> {0: 2.0, 1: 1.0}."""
-    from cadence.config import parse_client_weights
+    from cadence.core.sched.fair import parse_client_weights
 
     weights = {}
     for name, weight in parse_client_weights(text).items():

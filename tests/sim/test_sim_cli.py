@@ -131,7 +131,7 @@ def test_slo_policy_raises_goodput_of_interactive_requests(tmp_path):
     out = tmp_path / "slo"
     args = parse(["simulate", "--policy", "fcfs,slo", "--num-requests", "1500", "--rate", "64",
                   "--interactive-fraction", "0.3", "--interactive-slo", "0.5,0.05",
-                  "--slo-ttft", "1e6", "--slo-tpot", "1e6", "--slo-reject", "--seed", "1",
+                  "--goodput-ttft-s", "1e6", "--goodput-tpot-s", "1e6", "--slo-reject", "--seed", "1",
                   "--out", str(out)])
     assert args.func(args) == 0
     policies = json.loads((out / "summary.json").read_text())["policies"]
@@ -151,6 +151,47 @@ def test_data_parallel_runs_compare_routing_policies(tmp_path, capsys):
     assert summary["data_parallel_size"] == 3
     assert summary["policies"]["round_robin"]["requests_per_replica"] == [30, 30, 30]
     assert sum(summary["policies"]["cache_aware"]["requests_per_replica"]) == 90
+
+
+def test_goodput_thresholds_are_their_own_options_not_the_slo_policys(tmp_path):
+    """--goodput-*-s judge the run; --slo-*-s are the slo policy's targets (generated
+    from SchedulerConfig). The old --slo-ttft / --slo-tpot are gone, not abbreviations."""
+    from cadence.sim.cli import GoodputOptions
+    from cadence.sim.metrics import SLO
+
+    assert GoodputOptions().slo() == SLO()  # the defaults the library's summaries use
+    out = tmp_path / "goodput"
+    args = parse(["simulate", "--num-requests", "40", "--rate", "20", "--goodput-ttft-s", "1e-9",
+                  "--out", str(out)])
+    assert args.func(args) == 0
+    goodput = json.loads((out / "summary.json").read_text())["policies"]["fcfs"]["goodput"]
+    assert goodput["slo_ttft_s"] == 1e-9 and goodput["fraction"] == 0.0
+    for old in ("--slo-ttft", "--slo-tpot"):
+        with pytest.raises(SystemExit):
+            parse(["simulate", old, "1"])
+    args = parse(["simulate", "--num-requests", "4", "--goodput-tpot-s", "0"])
+    with pytest.raises(ValueError, match="^goodput_tpot_s: must be > 0"):
+        args.func(args)
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--data-parallel-size", "0"], "data_parallel_size"),
+    (["--kv-offload-size", "0"], "kv_offload_size"),
+])
+def test_engine_options_are_the_generated_ones_checked_by_their_class(flags, field):
+    from cadence.config import KVTransferConfig, ParallelConfig
+    from cadence.config_cli import add_config_options
+
+    def help_of(parser, flag):
+        return next(a.help for a in parser._actions if flag in a.option_strings)
+
+    engine = argparse.ArgumentParser()
+    add_config_options(engine, (KVTransferConfig, ParallelConfig))
+    simulate = add_simulate_parser(argparse.ArgumentParser().add_subparsers())
+    assert help_of(simulate, flags[0]) == help_of(engine, flags[0])  # as cadence serve has it
+    args = parse(["simulate", "--num-requests", "4", *flags])
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        args.func(args)
 
 
 @pytest.mark.parametrize("flags, field", [
