@@ -1,7 +1,10 @@
 """Llama-family models: config, PyTorch decoder, GGUF / Hugging Face loaders, tokenizer.
 
 The runner uses ``load_model`` and the ``LlamaForCausalLM`` interface
-(``forward(input_ids, positions, attention)``, ``compute_logits(hidden)``).
+(``forward(input_ids, positions, attention)``, ``compute_logits(hidden)``;
+``pack_weights``, ``use_fused_ops``, ``use_quant_kernel`` for the CPU's paths;
+``quantized_weights()`` and ``dequantized_at_load`` for the start-up log).
+Every architecture is that one class, so these are declared, never probed.
 Nothing here imports transformers. Names are imported on first use:
 ``cadence.models.config`` is pure Python and the simulator reads model
 shapes with it without loading torch.

@@ -11,7 +11,7 @@ The group is a ``torch.distributed`` process group made directly from a
 store, never through ``init_process_group``: no global state, so one
 process may hold several engines (tests do), each with its own group.
 The backend is gloo on the CPU; NCCL would be the one for CUDA devices
-(``collective_backend``), whose path is not built yet.
+(``cadence.runner.tp_workers.collective_backend``), whose path is not built yet.
 
 A rank that dies closes its sockets: the others' collectives raise at once
 (gloo: "Connection closed by peer") instead of waiting for ``timeout``,
@@ -27,11 +27,6 @@ import torch
 import torch.distributed as dist
 
 LOCALHOST = "127.0.0.1"
-
-
-def collective_backend(device: torch.device) -> str:
-    """The torch.distributed backend for ranks on ``device``'s kind."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def make_store(rank: int, size: int, port: int, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -10,7 +10,8 @@ thresholds once makes every later step reuse the heap's pages.
 The paged KV cache is the other way round: one large buffer of which a
 light load uses the first few blocks. ``untouched_zeros`` maps it straight
 from the kernel, so a page is committed when a block on it is first
-written, not when the cache is made.
+written, not when the cache is made. Its default size is a share of
+``available_memory_bytes`` (``cadence.runner.device_setup``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ctypes.util
 import functools
 import math
 import mmap
+import os
 
 import torch
 
@@ -86,3 +88,15 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buffer.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can give without swapping (``MemAvailable``), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

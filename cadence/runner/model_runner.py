@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from cadence.config import LoRAConfig, SpeculativeConfig
     from cadence.core.request import LoRARequest
     from cadence.models.config import ModelConfig
+    from cadence.models.llama import LlamaForCausalLM
 
 
 class ModelRunner(RunnerBase):
@@ -59,7 +60,7 @@ class ModelRunner(RunnerBase):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: "LlamaForCausalLM",
         model_config: "ModelConfig",
         *,
         block_size: int,
@@ -230,8 +231,7 @@ class ModelRunner(RunnerBase):
             self.model.pack_weights()
         if paths.fused_ops is not None and paths.fused_ops.supports(dtype):
             self.model.use_fused_ops(paths.fused_ops)
-        if hasattr(self.model, "use_quant_kernel"):
-            self.model.use_quant_kernel(paths.quant_matmul)
+        self.model.use_quant_kernel(paths.quant_matmul)
         kernel = paths.attention_kernel
         # The native kernel has no score soft-capping: such models stay on SDPA.
         fits = (kernel is not None and kernel.supports(dtype, self.kv_cache_dtype)

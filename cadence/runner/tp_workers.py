@@ -52,6 +52,11 @@ FAILURE_GRACE_S = 5.0  # after a collective fails: how long a worker may take to
 _POLL_S = 0.2
 
 
+def collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend for ranks on ``device``'s kind (gloo's path is the one built)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 class WorkerFailed(RuntimeError):
     """A tensor-parallel worker died or raised; the engine cannot step any more."""
 

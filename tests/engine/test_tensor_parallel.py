@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cadence.config import EngineOptions
-from cadence.engine.builder import check_tensor_parallel_options
+from cadence.runner.device_setup import check_tensor_parallel_options
 from cadence.engine.llm import LLM
 from cadence.models.tensor_parallel import check_tensor_parallel
 from cadence.models.testing import random_model, tiny_config, write_hf_folder

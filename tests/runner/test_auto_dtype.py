@@ -3,7 +3,7 @@ for float weights only where it is native, and ``CADENCE_RESOLVE_AS`` resolving
 defaults as the other machine kind would (issue 31).
 
 Pure functions over fake CPUs (the /proc/cpuinfo excerpts of ``test_cpu_paths``),
-plus the builder's reading of the default model's GGUF header.
+plus the load plan's reading of the default model's GGUF header.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from cadence import cpu_features
 from cadence.config import EngineConfig
 from cadence.cpu_features import from_cpuinfo, resolved_as, with_hidden
-from cadence.engine import builder
+from cadence.runner import load_plan
 from cadence.runner.cpu_paths import auto_dtype, emulation_note, resolve_dtype
 from tests.runner.test_cpu_paths import EPYC_AVX2, GRAVITON2, GRAVITON3, SAPPHIRE_RAPIDS, SKYLAKE
 
@@ -88,15 +88,15 @@ def test_the_environment_variable(monkeypatch, fresh_detect, value, kind):
 
 
 @pytest.mark.parametrize("machine", ["sapphire-rapids", "epyc-avx2"])
-def test_builder_reads_whether_the_default_model_keeps_blocks(monkeypatch, machine):
+def test_the_load_plan_reads_whether_the_default_model_keeps_blocks(monkeypatch, machine):
     cpuinfo, arch, native = MACHINES[machine]
     monkeypatch.setattr(cpu_features, "detect", lambda: from_cpuinfo(cpuinfo, arch))
-    assert builder._keeps_gguf_blocks(None, "auto") and builder._keeps_gguf_blocks(None, "gguf")
-    assert not builder._keeps_gguf_blocks(None, "none")
+    assert load_plan.keeps_gguf_blocks(None, "auto") and load_plan.keeps_gguf_blocks(None, "gguf")
+    assert not load_plan.keeps_gguf_blocks(None, "none")
     log = io.StringIO()
-    assert builder._resolve_dtype(EngineConfig(), CPU, "auto", log) == torch.float32
+    assert load_plan.resolve_model_dtype(EngineConfig(), CPU, "auto", log) == torch.float32
     assert log.getvalue().startswith("cadence: dtype auto -> float32: GGUF weights kept in blocks")
     # The same file dequantized at load is float weights: bfloat16 where it is native.
     floats = torch.bfloat16 if native else torch.float32
-    assert builder._resolve_dtype(EngineConfig(), CPU, "none", io.StringIO()) == floats
-    assert builder._resolve_dtype(EngineConfig(dtype="bfloat16"), CPU, "auto", log) == torch.bfloat16
+    assert load_plan.resolve_model_dtype(EngineConfig(), CPU, "none", io.StringIO()) == floats
+    assert load_plan.resolve_model_dtype(EngineConfig(dtype="bfloat16"), CPU, "auto", log) == torch.bfloat16
