@@ -131,3 +131,95 @@ def test_the_engine_core_calls_its_runner_through_the_declared_protocol():
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("getattr", "hasattr")]
     assert probes == []
+
+
+# Issue 33: contracts are declared, never probed; device and CPU-feature
+# choices live in runner/ and kernels/.
+
+def getattr_probes(path: Path) -> list[int]:
+    """Lines of ``path`` that call getattr or hasattr."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")]
+
+
+def test_the_builder_reads_the_model_and_runner_through_declared_members():
+    """The model's ``quantized_weights()`` and ``dequantized_at_load``, the runner's
+    ``fused_decoder_note``: ``assemble_engine`` probes nothing."""
+    assert getattr_probes(PACKAGE_ROOT / "engine" / "builder.py") == []
+
+
+# Rooms that choose by device or CPU: the runner decides (cpu_paths, load_plan,
+# device_setup), the kernels probe what they can run.
+DEVICE_ROOMS = {"runner", "kernels"}
+DEVICE_EXCEPTIONS: dict[str, str] = {
+    # module: why it may read the device or the CPU itself (none today; the CPU
+    # probe, cadence.cpu_features, reads /proc/cpuinfo and imports nothing checked here)
+}
+
+
+def device_choices(path: Path) -> list[str]:
+    """What in ``path`` reads the device or the CPU: ``torch.cuda``, ``torch.backends``,
+    a tensor's or device's ``.type``/``is_cuda``/``is_cpu``, or an import of the CPU probe."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if isinstance(value, ast.Name) and value.id == "torch" and node.attr in ("cuda", "backends"):
+                found.append(f"torch.{node.attr} (line {node.lineno})")
+            elif node.attr == "type" and (isinstance(value, ast.Name) and value.id == "device"
+                                          or isinstance(value, ast.Attribute) and value.attr == "device"):
+                found.append(f"device.type (line {node.lineno})")
+            elif node.attr in ("is_cuda", "is_cpu"):
+                found.append(f".{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch.cuda", "torch.backends") \
+                or isinstance(node, ast.ImportFrom) and node.module == "torch" \
+                and any(alias.name in ("cuda", "backends") for alias in node.names) \
+                or isinstance(node, ast.Import) and any(alias.name.startswith(("torch.cuda", "torch.backends"))
+                                                        for alias in node.names):
+            found.append(f"imports torch's device module (line {node.lineno})")
+    if "cadence.cpu_features" in cadence_imports(path):
+        found.append("imports cadence.cpu_features")
+    return found
+
+
+def device_violations() -> dict[str, list[str]]:
+    found = {}
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        module = module_name(path)
+        if layer_of(module) in DEVICE_ROOMS or module in DEVICE_EXCEPTIONS:
+            continue
+        choices = device_choices(path)
+        if choices:
+            found[module] = choices
+    return found
+
+
+def test_device_and_cpu_choices_live_in_the_runner_and_the_kernels():
+    assert device_violations() == {}
+
+
+def test_the_device_check_sees_a_violation(tmp_path, monkeypatch):
+    fake_root = tmp_path / "cadence"
+    for room in ("engine", "models", "runner"):
+        (fake_root / room).mkdir(parents=True)
+        (fake_root / room / "__init__.py").write_text("")
+    (fake_root / "__init__.py").write_text("")
+    (fake_root / "cpu_features.py").write_text("")
+    (fake_root / "engine" / "bad.py").write_text(
+        "import torch\n\ndef f(x):\n    return x.device.type == 'cuda' or torch.cuda.is_available()\n")
+    (fake_root / "models" / "bad.py").write_text("from cadence import cpu_features\n")
+    (fake_root / "runner" / "fine.py").write_text(
+        "import torch\nfrom cadence import cpu_features\n\ndef f(device):\n    return device.type\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_ROOT", fake_root)
+    assert device_violations() == {
+        "cadence.engine.bad": ["device.type (line 4)", "torch.cuda (line 4)"],
+        "cadence.models.bad": ["imports cadence.cpu_features"],
+    }
+
+
+def test_device_exceptions_are_still_needed():
+    """An exception whose module no longer reads the device or the CPU is stale: remove it."""
+    stale = [module for module in DEVICE_EXCEPTIONS
+             if not device_choices(PACKAGE_ROOT.parent / (module.replace(".", "/") + ".py"))]
+    assert stale == []
