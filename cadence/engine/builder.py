@@ -80,6 +80,7 @@ def assemble_engine(
         options.engine.structured_outputs_backend, tokenizer, model_config.vocab_size)
     connector_context = _connector_context(options, cache_config, setup)
     scheduler = _make_scheduler(options, scheduler_config, cache_config, connector_context, grammar_backend)
+    # After the scheduler: options it refuses never start tensor-parallel workers.
     runner = setup.make_runner(scheduler_config, num_blocks)
     if connector_context is not None:
         _attach_connector(runner, options, connector_context, log)
