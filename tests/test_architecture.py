@@ -223,3 +223,57 @@ def test_device_exceptions_are_still_needed():
     stale = [module for module in DEVICE_EXCEPTIONS
              if not device_choices(PACKAGE_ROOT.parent / (module.replace(".", "/") + ".py"))]
     assert stale == []
+
+
+# The scheduler's state (issue 33): its queues, request map and id sets have
+# one owner, ``Scheduler``; code outside ``core/sched`` asks its query methods.
+SCHEDULER_STATE = {"running", "waiting", "requests", "lifecycle", "absorber", "finished_req_ids",
+                   "sending_req_ids", "unsent_running", "forks", "finished_recving_kv_req_ids"}
+
+
+def _reaches_scheduler_state(node: ast.AST) -> bool:
+    """``x.scheduler.running``, ``scheduler.requests`` and the like."""
+    if not (isinstance(node, ast.Attribute) and node.attr in SCHEDULER_STATE):
+        return False
+    owner = node.value
+    return (isinstance(owner, ast.Attribute) and owner.attr == "scheduler") or \
+        (isinstance(owner, ast.Name) and owner.id in ("scheduler", "sched"))
+
+
+def test_nothing_outside_the_scheduler_package_reaches_into_its_state():
+    found = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        if path.is_relative_to(PACKAGE_ROOT / "core" / "sched"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _reaches_scheduler_state(node):
+                found.append(f"{module_name(path)}:{node.lineno} .{node.attr}")
+    assert found == []
+
+
+def test_the_state_check_sees_a_reach():
+    assert _reaches_scheduler_state(ast.parse("engine.core.scheduler.running").body[0].value)
+    assert not _reaches_scheduler_state(ast.parse("scheduler.get_request_counts").body[0].value)
+
+
+# Policies (issue 33): outside the scheduler's package, a policy is reached
+# through the contract module ``cadence.core.sched.policy`` only.
+POLICY_MODULES = {"cadence.core.sched.slo", "cadence.core.sched.fair", "cadence.core.sched.cache_aware"}
+POLICY_IMPORT_EXCEPTIONS = {
+    ("cadence.sim.cli", "cadence.core.sched.fair"):
+        "the simulator weighs its fairness metric by fair's client weights, parsed by fair's parser",
+}
+
+
+def test_policies_are_reached_through_their_contract():
+    found, used = [], set()
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        module = module_name(path)
+        if module.startswith("cadence.core.sched"):
+            continue
+        for imported in cadence_imports(path) & POLICY_MODULES:
+            used.add((module, imported))
+            if (module, imported) not in POLICY_IMPORT_EXCEPTIONS:
+                found.append(f"{module} imports {imported}")
+    assert found == []
+    assert set(POLICY_IMPORT_EXCEPTIONS) <= used, "a stale exception: remove it"

@@ -1,7 +1,7 @@
 """Every decoder layer of a short-query step in one C call (``cadence/kernels/csrc/decoder_stack.c``).
 
 The structures mirror the C ones field for field (``decoder_struct_layout``
-lets the tests compare them); ``cadence.runner.decoder_stack`` fills them
+lets the tests compare them); ``cadence.runner.fused_decoder`` fills them
 from a model and its KV cache. ``decoder_stack()`` is None where the library
 cannot be built (see ``cadence.kernels.build``).
 """
