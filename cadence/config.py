@@ -7,6 +7,7 @@ added here and nowhere else. Pure Python: ``cadence.core`` may import it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,15 @@ from typing import Any
 # registered with ``cadence.core.sched.policy.register_policy`` in this process
 # (which adds them here). A "package.module:factory" path names one anywhere.
 SCHEDULING_POLICIES = ["fcfs", "priority", "fair", "slo", "lpm"]
+# Installed packages name their policies under this entry-point group
+# (``shortest-first = my_pkg.policies:ShortestFirst``): ``policy="shortest-first"``
+# then works in every process, the engine's under ``cadence serve`` included.
+POLICY_ENTRY_POINT_GROUP = "cadence.scheduling_policies"
+
+
+def installed_policy_names() -> list[str]:
+    """The names installed packages declare under ``POLICY_ENTRY_POINT_GROUP``."""
+    return sorted(ep.name for ep in importlib.metadata.entry_points(group=POLICY_ENTRY_POINT_GROUP))
 PREFIX_HASH_ALGOS = ("builtin", "sha256")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Drafting methods that need KV slots beyond the verified tokens for the
@@ -166,9 +176,11 @@ class SchedulerConfig:
             _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                      f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         _require(
-            self.policy in SCHEDULING_POLICIES or ":" in self.policy,
+            self.policy in SCHEDULING_POLICIES or ":" in self.policy
+            or self.policy in installed_policy_names(),
             "policy",
-            f"must be one of {SCHEDULING_POLICIES} or a policy's 'package.module:factory', "
+            f"must be one of {SCHEDULING_POLICIES + installed_policy_names()} or a policy's "
+            f"'package.module:factory', "
             f"got {self.policy!r}",
         )
         _require(

@@ -1,8 +1,11 @@
-"""A scheduling policy from outside the package, named by its import path on
-``cadence serve``'s command line: the engine process imports and runs it, and
-its refusal (the contract's ``AdmissionRefused``) reaches the client as 429."""
+"""A scheduling policy from outside the package, named on ``cadence serve``'s
+command line by its import path or by the name an installed package declares
+(entry points): the engine process imports and runs it, and its refusal (the
+contract's ``AdmissionRefused``) reaches the client as 429."""
 
 from __future__ import annotations
+
+import os
 
 import httpx
 import pytest
@@ -10,9 +13,19 @@ import pytest
 POLICY = "tests.plugins.shortest_first:ShortPromptsOnly"
 
 
-@pytest.fixture(scope="module")
-def server(make_server):
-    return make_server("custom-policy", ["--policy", POLICY, "--max-num-seqs", "2"])
+@pytest.fixture(scope="module", params=["import path", "installed name"])
+def server(request, make_server, tmp_path_factory):
+    if request.param == "import path":
+        return make_server("custom-policy", ["--policy", POLICY, "--max-num-seqs", "2"])
+    from tests.plugins.installed import install_plugin
+    from tests.server.serverlib import start_server
+
+    site = install_plugin(tmp_path_factory.mktemp("site"))
+    server = start_server("installed-policy", ["--policy", "short-prompts-only", "--max-num-seqs", "2"],
+                          tmp_path_factory.mktemp("server"),
+                          env={"PYTHONPATH": os.pathsep.join([str(site), os.getcwd()])})
+    make_server.servers.append(server)  # stopped (and checked at rest) with the others
+    return server
 
 
 def complete(server, prompt, **fields):

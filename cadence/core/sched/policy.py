@@ -2,10 +2,11 @@
 
 A policy subclasses ``SchedulingPolicy`` (every hook the scheduler calls,
 with its default) and is chosen by name; the scheduler never branches on the
-name. Add one with ``@register_policy("name")`` (that process only), or name
-it by import path, ``policy="package.module:factory"``, which works wherever
-the engine runs (``LLM``, ``cadence serve``'s engine process, ``cadence
-simulate``).
+name. Add one with ``@register_policy("name")`` (that process only); declare
+it in an installed package's entry points (group ``cadence.scheduling_policies``),
+or name it by import path, ``policy="package.module:factory"``: those two work
+wherever the engine runs (``LLM``, ``cadence serve``'s engine process,
+``cadence simulate``).
 
 - ``fcfs``:     arrival order; the victim is the request admitted last.
 - ``fair``:     fair shares across clients (``Request.tenant``) by weighted
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 import heapq
 import importlib
+import importlib.metadata
 import itertools
 from collections import deque
 from typing import Callable, Iterable, Iterator, Protocol
 
-from cadence.config import SCHEDULING_POLICIES
+from cadence.config import POLICY_ENTRY_POINT_GROUP, SCHEDULING_POLICIES, installed_policy_names
 from cadence.core.request import Request
 
 
@@ -294,13 +296,25 @@ def make_policy(name: str) -> SchedulingPolicy:
     if factory is None and ":" in name:
         factory = _import_factory(name)
     if factory is None:
-        raise ValueError(f"policy: unknown scheduling policy {name!r}; known: {sorted(_POLICIES)}, "
-                         "or 'package.module:factory'")
+        factory = _installed_factory(name)
+    if factory is None:
+        raise ValueError(f"policy: unknown scheduling policy {name!r}; known: "
+                         f"{sorted(_POLICIES) + installed_policy_names()}, or 'package.module:factory'")
     policy = factory()
     if not isinstance(policy, SchedulingPolicy):
         raise ValueError(f"policy: {name!r} made a {type(policy).__name__}, not a SchedulingPolicy "
                          "(subclass cadence.core.sched.policy.SchedulingPolicy)")
     return policy
+
+
+def _installed_factory(name: str) -> Callable[[], SchedulingPolicy] | None:
+    """The factory an installed package declares as ``name`` (entry points)."""
+    for entry_point in importlib.metadata.entry_points(group=POLICY_ENTRY_POINT_GROUP, name=name):
+        try:
+            return entry_point.load()
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"policy: {name!r} ({entry_point.value}) cannot be loaded: {err}") from err
+    return None
 
 
 def _import_factory(path: str) -> Callable[[], SchedulingPolicy] | None:
