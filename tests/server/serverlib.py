@@ -89,11 +89,12 @@ def free_port() -> int:
 
 def start_server(name: str, extra_args: list[str], log_dir: Path,
                  env: dict[str, str] | None = None) -> Server:
-    """``env``: variables set for the server beside this process's."""
+    """``env``: variables set for the server over this process's and the offline defaults
+    (a test of downloads sets HF_HUB_OFFLINE=0 for its server alone)."""
     port = free_port()
     log_path = log_dir / f"server-{name}-{port}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
-               **(env or {}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           **(env or {})}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "cadence.server", "serve", "--port", str(port), *BASE_ARGS,
