@@ -2,6 +2,8 @@
 so each option's default and help text live in ``cadence.config`` only.
 
     cadence serve                                     # OpenAI-compatible server, default model
+    cadence serve Qwen/Qwen3-0.6B                     # a Hugging Face Hub id (downloaded once)
+    cadence generate --model owner/name-GGUF:Q8_0 "Hi" # a GGUF repository's quantization
     cadence generate "Why is the sky blue?"          # the embedded default model
     cadence generate --dtype float32 --max-tokens 64 "Hello"
     cadence demo                                      # scheduler benchmark, small

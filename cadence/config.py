@@ -480,7 +480,17 @@ class EngineConfig:
     """The model and where it runs."""
 
     model: str | None = option(
-        None, "GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)."
+        None, "GGUF file (any shard of a split one), Hugging Face folder, or a Hugging Face Hub "
+              "id: owner/name (safetensors or GGUF), owner/name:QUANT (that GGUF quantization, "
+              "e.g. Q8_0; default Q4_K_M where the repository has one), downloaded once into the "
+              "Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)."
+    )
+    revision: str | None = option(
+        None, "Branch, tag or commit of a model given by its Hub id (default: main)."
+    )
+    download_dir: str | None = option(
+        None, "Hugging Face cache folder a Hub model is downloaded to and looked up in "
+              "(default: huggingface_hub's, $HF_HUB_CACHE or ~/.cache/huggingface/hub)."
     )
     dtype: str = option(
         "auto",
@@ -542,6 +552,13 @@ class EngineConfig:
                  "device", f"must be cpu, cuda[:N] or auto, got {self.device!r}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", "must be >= 1")
+        for name in ("revision", "download_dir"):  # a Hub model's: the embedded default has neither
+            value = getattr(self, name)
+            if value is not None:
+                _require(self.model is not None, name, "applies to a model given by its Hub id "
+                         "(--model owner/name), not to the embedded default")
+                _require(bool(value.strip()) and value == value.strip(), name,
+                         f"must be a non-empty name without surrounding spaces, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from cadence.engine.wire import (
     ABORT, ADD, FAILED, FINISH_STOPPED, OUTPUTS, READY, REQUEST_ERROR, SHUTDOWN, UTILITY,
     UTILITY_RESULT, EngineCoreRequest, EngineReady, UtilityCall, decode, encode,
 )
+from cadence.models.hub import resolve_model_options
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
 from cadence.structured import GrammarLimits, IsolatedGrammarChecker
@@ -281,7 +282,9 @@ class AsyncLLM:
     async def start(self, options: EngineOptions, model_name: str,
                     timeout_s: float = 600.0) -> EngineReady:
         """Spawn the engine process, load the tokenizer alone (off the loop, while the
-        engine builds; the weights live in the engine process) and wait for the handshake."""
+        engine builds; the weights live in the engine process) and wait for the handshake.
+        A Hub id is fetched first (``cadence serve`` has done it: then it is a local path)."""
+        options = await asyncio.to_thread(resolve_model_options, options)
         scheduler = options.scheduler
         self._grammar_backend_name = options.engine.structured_outputs_backend
         self._grammar_limits = GrammarLimits.of(options.engine)

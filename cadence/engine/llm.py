@@ -1,6 +1,7 @@
 """``LLM``: offline batch generation on one engine core, in this process.
 
     llm = LLM()                                   # the embedded default model
+    llm = LLM("Qwen/Qwen3-0.6B")                  # a Hugging Face Hub id, downloaded once
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=20))
     print(outs[0].outputs[0].text)
 """
@@ -20,6 +21,7 @@ from cadence.engine.builder import Engine, build_engine
 from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
+from cadence.models.hub import resolve_model_options
 from cadence.sampling_params import SamplingParams
 from cadence.structured import GrammarLimits, IsolatedGrammarChecker
 
@@ -39,6 +41,8 @@ class LLM:
             raise ValueError(f"policy: {self.options.scheduler.policy} as configured refuses requests "
                              "under load, which only a server can answer (429); offline generation "
                              "runs every request")
+        # A Hub id is fetched here, once (after the checks above: a refused option costs no download).
+        self.options = resolve_model_options(self.options)
         self.engine: Engine = build_engine(self.options)
         self.tokenizer = self.engine.tokenizer
         self._processor = OutputProcessor(self.tokenizer)

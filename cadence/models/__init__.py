@@ -24,6 +24,7 @@ _EXPORTS = {
     "default_model_path": "cadence.models.default_model",
     "load_model": "cadence.models.loader",
     "model_name_of": "cadence.models.default_model",
+    "resolve_model": "cadence.models.hub",
 }
 __all__ = sorted(_EXPORTS)
 

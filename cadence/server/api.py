@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from cadence.config import EngineOptions
 from cadence.engine.dp_client import make_async_llm
 from cadence.models.default_model import model_name_of
+from cadence.models.hub import resolve_model_options
 from cadence.server.adapters import ServedModels
 from cadence.server.config import ServerConfig, parse_lora_modules
 from cadence.server.errors import error_response, install_error_handlers
@@ -59,8 +60,11 @@ class ServerState:
     def __init__(self, config: ServerConfig, options: EngineOptions) -> None:
         self.lora_modules = lora_modules_of(config, options)  # checked before anything starts
         self.config = config
-        self.options = options
+        # The model as the user named it (a Hub id stays one); its files are fetched here, once,
+        # before the engine starts: the engine and the tokenizer get their local path.
         self.model_name = config.served_model_name or model_name_of(options.engine.model)
+        model_root = options.engine.model or self.model_name
+        self.options = options = resolve_model_options(options)
         self.metrics = PrometheusStatLogger(self.model_name)
         self.llm = make_async_llm(options, stat_logger=self.metrics,
                                   max_num_queued_requests=config.max_num_queued_requests)
@@ -68,8 +72,7 @@ class ServerState:
                                      tool_call_parser=config.tool_call_parser)
         self.gate = RequestGate()
         self.created = int(time.time())
-        self.models = ServedModels(self.llm, self.model_name,
-                                   options.engine.model or self.model_name)
+        self.models = ServedModels(self.llm, self.model_name, model_root)
 
     async def start(self) -> None:
         await self.llm.start(self.options, self.model_name)

@@ -1,6 +1,6 @@
 """``cadence serve``, ``cadence proxy`` and ``cadence bench serve``: parsers the main CLI mounts.
 
-    cadence serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+    cadence serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
     cadence proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 [--port 8000]
     cadence bench serve --rate 0.5 --num-prompts 64 [--base-url http://127.0.0.1:8000]
 
@@ -28,6 +28,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     f"otherwise. With --api-key (or {API_KEY_ENV}) every route but /health (and "
                     "/metrics) needs 'Authorization: Bearer <key>'. SIGTERM drains in-flight "
                     "requests (--shutdown-timeout); the process exits 1 if the engine dies.")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model, as --model takes it (vllm serve's form): cadence serve "
+                             "Qwen/Qwen3-0.6B")
     add_config_options(parser, (ServerConfig,))
     add_config_options(parser)
     parser.set_defaults(func=cmd_serve)
@@ -96,12 +99,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = server_config_from_args(args)
     engine_options = options_of(args)
+    if args.model_tag is not None:
+        if engine_options.get("model", args.model_tag) != args.model_tag:
+            raise ValueError(f"model: named twice, {args.model_tag} and --model {engine_options['model']}")
+        engine_options["model"] = args.model_tag
     engine_options.setdefault("num_threads", serving_threads())
     options = EngineOptions.from_kwargs(**engine_options)
-    model = options.engine.model
-    if model is not None and not os.path.exists(model):
-        raise ValueError(f"model: no such file or folder: {model}")
-    return run_server(config, options)
+    return run_server(config, options)  # a Hub id is fetched as the app is built (ServerState)
 
 
 def serving_threads() -> int:
@@ -119,6 +123,9 @@ def run_server(config: ServerConfig, options: Any) -> int:
     from cadence.server.api import FLUSH_TIMEOUT_S, GracefulServer, build_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:  # huggingface_hub's clients: a line per request
+        for client in ("httpx", "httpx2"):
+            logging.getLogger(client).setLevel(logging.WARNING)
     app = build_app(config, options)
     # The drain (GracefulServer) has answered every request before uvicorn's own
     # shutdown starts: its timeout only bounds closing idle connections.
