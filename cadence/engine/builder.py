@@ -69,8 +69,9 @@ def assemble_engine(
     themselves (random weights of a large shape, straight on the GPU) call it
     directly. With no tokenizer the engine takes token-id prompts only.
     """
-    setup = device_setup(options, model, model_config, log)
     scheduler_config = _scheduler_config(options, model_config)
+    model.limit_positions(scheduler_config.max_model_len)  # before any runner reads the tables
+    setup = device_setup(options, model, model_config, log)
     num_blocks = setup.num_kv_blocks(scheduler_config)
     cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks,
                                        kv_cache_dtype=dtype_name(setup.kv_cache_dtype))

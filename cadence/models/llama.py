@@ -306,6 +306,13 @@ class LlamaForCausalLM(torch.nn.Module):
             if hasattr(module, "quant_kernel"):
                 module.quant_kernel = kernel
 
+    def limit_positions(self, num_positions: int) -> None:
+        """Positions past ``num_positions`` are never asked for: the rotary
+        tables shrink to it (before a runner reads them)."""
+        for rotary in (self.model.rotary, self.model.sliding_rotary):
+            if rotary is not None:
+                rotary.limit_positions(num_positions)
+
     def quantized_weights(self) -> list[Part]:
         """Every part of a weight kept quantized (see ``quantized``): empty for a float model."""
         parts: list[Part] = []

@@ -75,6 +75,14 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
         return cos, sin
 
+    def limit_positions(self, num_positions: int) -> None:
+        """Keep the tables' first ``num_positions`` rows only (the engine's
+        ``max_model_len``): a model trained for 32k positions need not hold
+        32k rows per table for an engine that never goes past 2k."""
+        if num_positions < self.cos.shape[0]:
+            self.cos = self.cos[:num_positions].clone()
+            self.sin = self.sin[:num_positions].clone()
+
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin [T, D] for tokens at ``positions`` (what ``fused_ops.rotary_`` reads)."""
         return self.cos[positions], self.sin[positions]

@@ -187,3 +187,36 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu():
     options = EngineOptions.from_kwargs(device="cpu", dtype="float32", gpu_memory_utilization=0.5)
     with pytest.raises(ValueError, match=r"^gpu_memory_utilization: applies on a CUDA device"):
         assemble_engine(options, random_model(config), config, None)
+
+
+def test_rotary_tables_hold_the_engines_positions_only():
+    """A model trained for more positions than max_model_len keeps max_model_len
+    rows per table (Gemma 3's four 32k-row tables were 128 MiB), and generates
+    as before: the tokens of a run at the model's full length are the same."""
+    import io
+
+    import torch
+
+    from cadence.core.request import Request
+    from cadence.engine.builder import assemble_engine
+    from cadence.models.testing import random_model, tiny_config
+    from cadence.sampling_params import SamplingParams
+
+    config = tiny_config()  # 512 positions
+    tokens = {}
+    for max_model_len in (512, 64):
+        torch.manual_seed(0)
+        model = random_model(config)
+        options = EngineOptions.from_kwargs(device="cpu", dtype="float32", max_model_len=max_model_len,
+                                            num_gpu_blocks=32)
+        engine = assemble_engine(options, model, config, None, log=io.StringIO())
+        assert model.model.rotary.cos.shape[0] == max_model_len
+        assert model.model.rotary.sin.shape[0] == max_model_len
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        engine.core.add_request(Request("r", list(range(3, 30)), params))
+        out = []
+        while engine.core.scheduler.has_requests():
+            for outputs in engine.core.step().values():
+                out += [t for o in outputs.outputs for t in o.new_token_ids]
+        tokens[max_model_len] = out
+    assert len(tokens[64]) == 24 and tokens[64] == tokens[512]
