@@ -36,7 +36,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.sampling_seed)
     prompts = args.prompt or ["Write a haiku about continuous batching."]
-    if args.raw:
+    raw = args.raw
+    if not raw and llm.tokenizer.chat_template is None:
+        # A base model (Gemma 3 270M's GGUF, say) has no template: continue the text instead.
+        print("cadence: this model has no chat template: prompts are continued as raw text "
+              "(as with --raw)", file=sys.stderr)
+        raw = True
+    if raw:
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     else:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False,

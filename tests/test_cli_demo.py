@@ -28,3 +28,18 @@ def test_generate_applies_an_adapter_given_with_lora(tmp_path, capsys):
 def test_generate_refuses_enable_lora_without_an_adapter(capsys):
     assert main(["generate", "--enable-lora", "Hi"]) == 2
     assert "enable_lora: cadence generate applies an adapter given with --lora PATH" in capsys.readouterr().err
+
+
+def test_generate_continues_raw_text_where_the_model_has_no_chat_template(tmp_path, capsys):
+    """A base model's GGUF (Gemma 3 270M's has none) is not an error: the prompt
+    is continued as with --raw, and the log says so."""
+    from cadence.models.default_model import default_model_path
+    from tests.models.gguf_split_helpers import write_without_keys
+
+    model = write_without_keys(default_model_path(), tmp_path / "base.gguf", ("tokenizer.chat_template",))
+    common = ["generate", "--max-tokens", "4", "--temperature", "0", "--kv-cache-memory", "32MiB"]
+    assert main([*common, "--model", str(model), "The capital of France is"]) == 0
+    captured = capsys.readouterr()
+    assert "no chat template: prompts are continued as raw text" in captured.err
+    assert main([*common, "--raw", "The capital of France is"]) == 0
+    assert captured.out == capsys.readouterr().out  # the default model's, raw: the same tokens
