@@ -51,6 +51,7 @@ from cadence.core.sched.policy import AdmissionRefused
 from cadence.engine.dp_router import DPRouter
 from cadence.engine.kv_connectors import make_kv_connector_scheduler
 from cadence.sampling_params import SamplingParams
+from cadence.sim.conversations import refuse_later_turns
 from cadence.sim.cost_model import CostModel
 from cadence.sim.kv_tier import COPY_LINKS
 from cadence.sim.metrics import SLO, MetricsRecorder
@@ -219,6 +220,7 @@ class PDFleet:
     # ------------------------------------------------------------ the run
 
     def run(self, specs: Sequence[RequestSpec], label: str | None = None) -> PDResult:
+        refuse_later_turns(specs, "prefill_decode")
         recorder = MetricsRecorder(specs)
         start = time.perf_counter()
         self._reset_totals()

@@ -32,6 +32,7 @@ from cadence.core.kv_cache.events import KVCacheEvent
 from cadence.core.sched.policy import AdmissionRefused
 from cadence.engine.dp_router import DPRouter
 from cadence.engine.kv_events import KVEventBatch
+from cadence.sim.conversations import refuse_later_turns
 from cadence.sim.cost_model import CostModel
 from cadence.sim.metrics import MetricsRecorder
 from cadence.sim.simulator import RequestFactory, SimResult, Simulator, SimulationStalled, _gc_paused
@@ -120,6 +121,7 @@ class ReplicaFleet:
         self._seq = itertools.count()
 
     def run(self, specs: Sequence[RequestSpec], label: str | None = None) -> SimResult:
+        refuse_later_turns(specs, "data_parallel_size")
         recorder = MetricsRecorder(specs)
         start = time.perf_counter()
         for index, spec in enumerate(specs):

@@ -11,16 +11,18 @@ on this process's CPU clock), so both measure alike:
         outputs = core.step()               # schedule -> execute -> update
         now = clock after the step          # virtual: += the step's cost
         record outputs at `now`             # tokens exist when the step ends
+        a finished turn's next turn is now pending (at now + think time)
 
 A request arriving while a step runs is added after that step, as in a
 real engine loop; its TTFT counts from its arrival time all the same.
+Multi-turn conversations: ``cadence.sim.conversations``.
 """
 
 from __future__ import annotations
 
 import gc
+import heapq
 import time
-from collections import deque
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -33,6 +35,7 @@ from cadence.core.sched.kv_connector import KVConnectorBase
 from cadence.core.sched.scheduler import Scheduler
 from cadence.engine.core import EngineCore
 from cadence.sampling_params import SamplingParams
+from cadence.sim.conversations import Conversations
 from cadence.sim.cost_model import CostModel, StepShape
 from cadence.sim.kv_tier import SimKVTier, TierCopies, make_tier_connector
 from cadence.sim.metrics import SLO, MetricsRecorder, summarize
@@ -57,9 +60,11 @@ class RequestFactory:
         return spec.prompt_tokens < self.max_model_len
 
     def make(self, index: int, spec: RequestSpec, *, prompt_token_ids: list[int] | None = None,
-             params: SamplingParams | None = None) -> Request:
+             params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
         """The request of ``spec``; ``prompt_token_ids`` and ``params`` given: those
-        instead of its own (a P/D fleet's two halves of one request)."""
+        instead of its own (a P/D fleet's two halves of one request; a later
+        turn's history); ``arrival_time``: when it came, if not at its spec's
+        (a later turn's)."""
         if params is None:
             params = self._params.get(spec.output_tokens)
             if params is None:
@@ -69,7 +74,8 @@ class RequestFactory:
             prompt_token_ids = self.prompt_maker.make(index, spec)
         return Request(
             str(index), prompt_token_ids, params,
-            eos_token_id=self.eos_token_id, arrival_time=spec.arrival_time,
+            eos_token_id=self.eos_token_id,
+            arrival_time=spec.arrival_time if arrival_time is None else arrival_time,
             priority=spec.priority, client_index=spec.client, max_model_len=self.max_model_len,
             tenant=f"client{spec.client}", slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
         )
@@ -205,15 +211,18 @@ def drive(
     """Replay ``specs`` through ``core`` on ``clock``; returns the number of steps."""
     scheduler = core.scheduler
     kv_manager = getattr(scheduler, "kv_cache_manager", None)
-    pending = deque(sorted(range(len(specs)), key=lambda i: specs[i].arrival_time))
+    conversations = Conversations(specs)
+    pending = conversations.first_arrivals()  # a heap of (arrival time, index)
+    heapq.heapify(pending)
     num_steps = 0
     while pending or core.has_work():
         now = clock.read()
-        while pending and specs[pending[0]].arrival_time <= now:
-            _inject(core, specs, pending.popleft(), factory, recorder)
+        while pending and pending[0][0] <= now:
+            arrival, index = heapq.heappop(pending)
+            _inject(core, specs, index, arrival, factory, recorder, conversations)
         if not core.has_work():
             if pending:
-                clock.wait_until(specs[pending[0]].arrival_time)
+                clock.wait_until(pending[0][0])
             continue
         clock.before_step()
         outputs = core.step()
@@ -221,6 +230,9 @@ def drive(
         now = clock.after_step()
         if outputs:
             recorder.on_step(now, outputs)
+            if conversations:
+                for arrival in conversations.released(now, outputs):
+                    heapq.heappush(pending, arrival)
         num_running, num_waiting = scheduler.get_request_counts()
         recorder.on_queues(now, num_running, num_waiting, kv_manager.usage if kv_manager else 0.0)
         if on_step is not None:
@@ -231,22 +243,26 @@ def drive(
                     f"{scheduler.get_num_unfinished_requests()} requests can never be scheduled "
                     "(a prompt needs more KV blocks than the cache has?)"
                 )
-            clock.wait_until(specs[pending[0]].arrival_time)
+            clock.wait_until(pending[0][0])
     return num_steps
 
 
-def _inject(core, specs, index, factory, recorder) -> None:
+def _inject(core, specs, index, arrival, factory, recorder, conversations) -> None:
     spec = specs[index]
-    if not factory.fits(spec):
-        recorder.on_reject(index)
+    request = None
+    if factory.fits(spec):
+        prompt = conversations.prompt_token_ids(index, factory.prompt_maker)
+        request = factory.make(index, spec, prompt_token_ids=prompt, arrival_time=arrival)
+        try:
+            core.add_request(request)
+        except AdmissionRefused:  # the policy refused it at this load (e.g. slo with slo_reject)
+            request = None
+    if request is None:
+        for refused in (index, *conversations.refused(index)):
+            recorder.on_reject(refused)
         return
-    request = factory.make(index, spec)
-    try:
-        core.add_request(request)
-    except AdmissionRefused:  # the policy refused it at this load (e.g. slo with slo_reject)
-        recorder.on_reject(index)
-        return
-    recorder.on_arrival(index, request.request_id, spec.arrival_time)
+    conversations.on_added(index, request)
+    recorder.on_arrival(index, request.request_id, arrival)
 
 
 # ---------------------------------------------------------------- simulation

@@ -6,22 +6,34 @@ is injected (``PromptMaker``), so 100,000 queued specs cost little memory:
     prompt = group prefix (shared by every request of its prefix group)
            + this request's own tokens
 
+A multi-turn conversation is a run of specs, turn 0, 1, ...: a later turn's
+prompt is the previous turn's prompt and the tokens it generated, then a new
+message; it arrives ``think_time_s`` after the previous turn's last token
+(``cadence.sim.conversations``, which the engine loop follows):
+
+    turn 0:  [system prompt][message 0]
+    turn 1:  [system prompt][message 0][output 0][message 1]
+    turn 2:  [system prompt][message 0][output 0][message 1][output 1][message 2]
+
 Two sources:
 
 - ``SyntheticWorkload``: Poisson or gamma arrivals at a mean rate, prompt and
   output lengths from a distribution string (``fixed:N``, ``uniform:LO:HI``,
   ``lognormal:MEAN:CV``, ``exponential:MEAN``), a share of requests in
-  shared-prefix groups, priorities, client ids; seeded.
+  shared-prefix groups, priorities, client ids, turns per conversation;
+  seeded.
 - JSONL traces, one request per line: ``arrival_time, prompt_tokens,
   output_tokens`` and optionally ``prefix_group, prefix_tokens, priority,
-  client`` (``prefix_tokens`` defaults to half the prompt).
+  client`` (``prefix_tokens`` defaults to half the prompt) and ``conversation,
+  turn, think_time_s`` (a later turn's ``arrival_time`` is the earliest it
+  may arrive).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -42,12 +54,22 @@ class RequestSpec:
     # Latency targets (interactive requests); None: batch, judged by the run's SLO.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # Multi-turn: the conversation's id and this turn's place in it. A later turn
+    # (turn >= 1) arrives think_time_s after the previous turn's last token, and
+    # not before arrival_time; its prompt_tokens count the whole history.
+    conversation: int | None = None
+    turn: int = 0
+    think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError("prompt_tokens and output_tokens: must be >= 1")
         if not 0 <= self.prefix_tokens <= self.prompt_tokens:
             raise ValueError("prefix_tokens: must be in [0, prompt_tokens]")
+        if self.turn < 0 or (self.turn and self.conversation is None):
+            raise ValueError("turn: must be >= 0, and a later turn (>= 1) needs a conversation")
+        if not self.think_time_s >= 0:
+            raise ValueError("think_time_s: must be >= 0")
 
 
 # ---------------------------------------------------------------- synthetic
@@ -77,6 +99,17 @@ class SyntheticWorkload:
         "0.5,0.05", "The interactive requests' targets: TTFT seconds, TPOT seconds.")
     client_shares: str | None = option(
         None, "Relative request shares of clients 0, 1, ... (e.g. 10,1); overrides num_clients.")
+    turns: str = option(
+        "fixed:1", "Turns per conversation, same forms as prompt_len (fixed:1: single requests). "
+                   "A later turn's prompt is the previous turn's prompt and output, then a new "
+                   "message (turn_prompt_len); it arrives think_time after the previous turn's "
+                   "last token. Conversations start at rate / mean turns, so requests keep "
+                   "arriving at about rate.")
+    turn_prompt_len: str | None = option(
+        None, "Tokens of a later turn's new message, same forms as prompt_len (default: prompt_len).")
+    think_time: str = option(
+        "exponential:1", "Seconds from a turn's last token to the next turn: fixed:S, uniform:LO:HI, "
+                         "lognormal:MEAN:CV, exponential:MEAN.")
     seed: int = option(0, "Random seed.")
 
     def __post_init__(self) -> None:
@@ -90,8 +123,10 @@ class SyntheticWorkload:
             raise ValueError("burstiness: must be > 0")
         if not 0 <= self.prefix_fraction <= 1:
             raise ValueError("prefix_fraction: must be in [0, 1]")
-        parse_length_dist(self.prompt_len)
-        parse_length_dist(self.output_len)
+        for name in ("prompt_len", "output_len", "turns", "think_time"):
+            parse_length_dist(getattr(self, name), name)
+        if self.turn_prompt_len is not None:
+            parse_length_dist(self.turn_prompt_len, "turn_prompt_len")
         if not 0 <= self.interactive_fraction <= 1:
             raise ValueError("interactive_fraction: must be in [0, 1]")
         self.interactive_targets()
@@ -148,7 +183,45 @@ class SyntheticWorkload:
                 slo_ttft_s=ttft_target if interactive[i] else None,
                 slo_tpot_s=tpot_target if interactive[i] else None,
             ))
-        return specs
+        if self.turns == "fixed:1":
+            return specs
+        return self._conversations(specs)
+
+    def _conversations(self, singles: list[RequestSpec]) -> list[RequestSpec]:
+        """The same requests strung into conversations, in order: a conversation
+        takes turn 0 from the next single request (its system prompt, client,
+        priority, targets), each later turn the next one's output length and a
+        new message. It ends at its drawn number of turns, or before a prompt
+        would pass ``max_len``. Its own random stream (seed, 1) leaves the single
+        requests' draws as they were.
+
+        Conversations start as a Poisson (or gamma) process at rate * C / n:
+        the single requests' first C arrivals, stretched over the same span."""
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, 1])
+        n = len(singles)
+        # Drawn generously (every conversation could be one turn long); used in order.
+        num_turns = iter(sample_lengths(self.turns, n, rng, n).tolist())
+        messages = iter(sample_lengths(self.turn_prompt_len or self.prompt_len, n, rng, self.max_len).tolist())
+        thinks = iter(sample_seconds(self.think_time, n, rng).tolist())
+        conversations: list[list[RequestSpec]] = []
+        rest = iter(singles)
+        for single in rest:
+            first = replace(single, conversation=len(conversations))
+            turns = [first]
+            for _ in range(next(num_turns) - 1):
+                previous = turns[-1]
+                prompt = previous.prompt_tokens + previous.output_tokens + next(messages)
+                following = next(rest, None) if prompt <= self.max_len else None
+                if following is None:
+                    break
+                turns.append(replace(first, prompt_tokens=prompt, output_tokens=following.output_tokens,
+                                     turn=len(turns), think_time_s=next(thinks)))
+            conversations.append(turns)
+        stretch = n / len(conversations)
+        return [replace(spec, arrival_time=singles[c].arrival_time * stretch)
+                for c, turns in enumerate(conversations) for spec in turns]
 
     def _arrival_times(self, rng):
         import numpy as np
@@ -165,18 +238,37 @@ class SyntheticWorkload:
         return np.cumsum(gaps)
 
 
-def parse_length_dist(spec: str) -> tuple[str, list[float]]:
+def parse_length_dist(spec: str, name: str = "length distribution") -> tuple[str, list[float]]:
     kind, *args = spec.split(":")
     expected = {"fixed": 1, "uniform": 2, "lognormal": 2, "exponential": 1}
     if kind not in expected or len(args) != expected[kind]:
         raise ValueError(
-            f"length distribution {spec!r}: expected fixed:N, uniform:LO:HI, lognormal:MEAN:CV or exponential:MEAN"
+            f"{name} {spec!r}: not a length distribution; expected fixed:N, uniform:LO:HI, "
+            "lognormal:MEAN:CV or exponential:MEAN"
         )
     try:
         values = [float(a) for a in args]
     except ValueError:
-        raise ValueError(f"length distribution {spec!r}: parameters must be numbers") from None
+        raise ValueError(f"{name} {spec!r}: parameters must be numbers") from None
+    if any(not v >= 0 for v in values):
+        raise ValueError(f"{name} {spec!r}: parameters must be >= 0")
     return kind, values
+
+
+def sample_seconds(spec: str, n: int, rng):
+    """``n`` non-negative floats from a distribution string (not rounded)."""
+    import numpy as np
+
+    kind, args = parse_length_dist(spec)
+    if kind == "fixed":
+        return np.full(n, args[0])
+    if kind == "uniform":
+        return rng.uniform(args[0], args[1], n)
+    if kind == "exponential":
+        return rng.exponential(args[0], n)
+    mean, cv = args  # lognormal with the given mean and coefficient of variation
+    sigma2 = np.log1p(cv * cv)
+    return rng.lognormal(np.log(mean) - sigma2 / 2, np.sqrt(sigma2), n) if mean else np.zeros(n)
 
 
 def sample_lengths(spec: str, n: int, rng, max_len: int):
@@ -184,16 +276,10 @@ def sample_lengths(spec: str, n: int, rng, max_len: int):
     import numpy as np
 
     kind, args = parse_length_dist(spec)
-    if kind == "fixed":
-        values = np.full(n, args[0])
-    elif kind == "uniform":
+    if kind == "uniform":
         values = rng.integers(int(args[0]), int(args[1]) + 1, n)
-    elif kind == "exponential":
-        values = rng.exponential(args[0], n)
-    else:  # lognormal with the given mean and coefficient of variation
-        mean, cv = args
-        sigma2 = np.log1p(cv * cv)
-        values = rng.lognormal(np.log(mean) - sigma2 / 2, np.sqrt(sigma2), n)
+    else:
+        values = sample_seconds(spec, n, rng)
     return np.clip(np.rint(values), 1, max_len).astype(np.int64)
 
 
@@ -233,6 +319,9 @@ def _spec_from_row(row: dict, where: str) -> RequestSpec:
         client=int(row.get("client", 0)),
         slo_ttft_s=row.get("slo_ttft_s"),
         slo_tpot_s=row.get("slo_tpot_s"),
+        conversation=None if row.get("conversation") is None else int(row["conversation"]),
+        turn=int(row.get("turn", 0)),
+        think_time_s=float(row.get("think_time_s", 0.0)),
     )
 
 
@@ -246,6 +335,8 @@ def write_trace(path: str | Path, specs: Iterable[RequestSpec]) -> None:
             for name in ("slo_ttft_s", "slo_tpot_s"):
                 if row[name] is None:
                     del row[name]
+            if spec.conversation is None:
+                del row["conversation"], row["turn"], row["think_time_s"]
             f.write(json.dumps(row) + "\n")
 
 
@@ -268,11 +359,15 @@ class PromptMaker:
         self._group_prefixes: dict[int, list[int]] = {}
 
     def make(self, index: int, spec: RequestSpec) -> list[int]:
-        num_own = spec.prompt_tokens - spec.prefix_tokens
-        own = self._tokens(("req", index), num_own, start=(index + 1) << 24)
+        own = self.own_tokens(index, spec.prompt_tokens - spec.prefix_tokens)
         if not spec.prefix_tokens:
             return own
         return self._group_prefix(spec.prefix_group, spec.prefix_tokens) + own
+
+    def own_tokens(self, index: int, num_tokens: int) -> list[int]:
+        """Request ``index``'s own tokens (after its group prefix; a later
+        turn's new message): shared with no other request."""
+        return self._tokens(("req", index), num_tokens, start=(index + 1) << 24)
 
     def _group_prefix(self, group: int, length: int) -> list[int]:
         prefix = self._group_prefixes.get(group)
