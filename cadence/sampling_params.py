@@ -86,6 +86,32 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class ThinkingTokens:
+    """The token ids that open and close a model's thinking, for a thinking
+    budget: the front end tokenizes them (the engine has no tokenizer).
+
+    ``end_ids`` is how the model itself closes (e.g. ``</think>``);
+    ``forced_end_ids`` what the engine makes it write when the budget is spent
+    (e.g. ``\n</think>\n\n``); ``starts_inside``: the prompt already opened
+    the thinking (a template that ends with ``<think>\n``).
+    """
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    forced_end_ids: tuple[int, ...]
+    starts_inside: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start_ids", "end_ids", "forced_end_ids"):
+            ids = tuple(getattr(self, name))
+            object.__setattr__(self, name, ids)
+            if not ids:
+                raise ValueError(f"thinking_token_budget: the model's {name} must not be empty")
+            for t in ids:
+                _check_int("thinking_token_budget", t, minimum=0)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of a request, and when to stop."""
 
@@ -112,6 +138,11 @@ class SamplingParams:
     # only when their salts are equal (no salt shares with no salt), so one
     # tenant cannot learn another's prompts from cache hits (Request.extra_hash_key).
     cache_salt: str | None = None
+    # vLLM's: after this many thinking tokens the engine forces the end of the
+    # thinking (``thinking.forced_end_ids``), then the answer follows
+    # (cadence/core/sched/thinking.py). ``thinking`` comes from the front end.
+    thinking_token_budget: int | None = None
+    thinking: ThinkingTokens | None = None
     extra_args: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +208,15 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputParams
         ):
             raise ValueError("structured_outputs: must be a StructuredOutputParams or a dict")
+        self._check_thinking_budget()
+
+    def _check_thinking_budget(self) -> None:
+        if self.thinking_token_budget is None:
+            return
+        _check_int("thinking_token_budget", self.thinking_token_budget, minimum=0)
+        if not isinstance(self.thinking, ThinkingTokens):
+            raise ValueError("thinking_token_budget: needs the model's thinking tokens "
+                             "(a server started with --reasoning-parser)")
 
     @property
     def is_greedy(self) -> bool:

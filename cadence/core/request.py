@@ -238,7 +238,10 @@ class Request:
 
     @property
     def use_structured_output(self) -> bool:
-        return self.sampling_params.structured_outputs is not None
+        """Whether the grammar mask path drives this request: a grammar, or a
+        thinking budget (which forces its close through the same path)."""
+        params = self.sampling_params
+        return params.structured_outputs is not None or params.thinking_token_budget is not None
 
     # ---- mutation (scheduler only) -------------------------------------
 

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from cadence.core.request import Request
+from cadence.core.sched.thinking import ThinkingBudget
 
 logger = logging.getLogger("cadence.structured")
 
@@ -103,8 +104,22 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(max_workers=max_workers)
 
     def grammar_init(self, request: Request) -> None:
-        future = self._executor.submit(self.backend.compile, request.sampling_params.structured_outputs)
+        params = request.sampling_params
+        if params.thinking_token_budget is None:
+            future = self._executor.submit(self.backend.compile, params.structured_outputs)
+        elif params.structured_outputs is None:
+            future = Future()  # nothing to compile: ready at once
+            future.set_result(self._thinking_budget(request, None))
+        else:
+            future = self._executor.submit(
+                lambda: self._thinking_budget(request, self.backend.compile(params.structured_outputs)))
         request.structured_output_request = StructuredOutputRequest(future)
+
+    @staticmethod
+    def _thinking_budget(request: Request, answer: Grammar | None) -> ThinkingBudget:
+        """The budget's state, in front of the answer's grammar (thinking.py)."""
+        params = request.sampling_params
+        return ThinkingBudget(params.thinking_token_budget, params.thinking, answer)
 
     def grammar_bitmask(
         self,
@@ -124,15 +139,21 @@ class StructuredOutputManager:
         num_rows = sum(1 + len(scheduled_spec_decode_tokens.get(req_id, ()))
                        for req_id in structured_output_request_ids)
         bitmask = self.backend.allocate_bitmask(num_rows)
-        grammars = [requests[req_id].structured_output_request.grammar
-                    for req_id in structured_output_request_ids]
-        rows = list(structured_output_request_ids.values())
+        grammars, rows, req_ids = [], [], []
+        for req_id, row in structured_output_request_ids.items():
+            grammar = requests[req_id].structured_output_request.grammar
+            if isinstance(grammar, ThinkingBudget):  # not the backend's: it fills its own row
+                _guarded(requests[req_id], grammar.fill_bitmask, bitmask, row)
+            else:
+                grammars.append(grammar)
+                rows.append(row)
+                req_ids.append(req_id)
         try:
             self.backend.fill_bitmask_rows(grammars, rows, bitmask)
         except BaseException as err:
             _reraise_interrupt(err)
             # Again row by row, so that only the failing grammars' requests end.
-            for grammar, (req_id, row) in zip(grammars, structured_output_request_ids.items()):
+            for grammar, req_id, row in zip(grammars, req_ids, rows):
                 _guarded(requests[req_id], grammar.fill_bitmask, bitmask, row)
         if scheduled_spec_decode_tokens:
             for req_id, row in structured_output_request_ids.items():
