@@ -39,6 +39,7 @@ from cadence.models.hub import resolve_model_options
 from cadence.server.adapters import ServedModels
 from cadence.server.config import ServerConfig, parse_lora_modules
 from cadence.server.errors import error_response, install_error_handlers
+from cadence.server.messages import add_messages_routes
 from cadence.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from cadence.server.middleware import (
     ApiKeyMiddleware, BodyLimitMiddleware, GateMiddleware, RequestGate, header_timeout_protocol,
@@ -47,6 +48,7 @@ from cadence.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
     TokenizeRequest, UnloadLoRAAdapterRequest,
 )
+from cadence.server.responses import add_responses_routes
 from cadence.server.serving import OpenAIServing
 
 logger = logging.getLogger("cadence.server")
@@ -161,6 +163,9 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await serving.chat(body, raw, state.models.resolve(body.model))
+
+    add_responses_routes(app, serving, state.models.resolve)  # /v1/responses
+    add_messages_routes(app, serving, state.models.resolve)  # /v1/messages (Anthropic's)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

@@ -84,6 +84,26 @@ _GENERATION = {
                                     "model field (GET /v1/models lists them)"),
 }
 
+# Anthropic's Messages API, /v1/messages and its count_tokens.
+_ANTHROPIC = {
+    "thinking": NotHonoured(({"type": "disabled"},), "the model thinks as it was trained to "
+                            "(no budget can be set); its thinking, if any, comes back as thinking "
+                            "blocks"),
+    "output_config": NotHonoured(),
+    "output_format": NotHonoured(),
+    "container": NotHonoured(),
+    "mcp_servers": NotHonoured(),
+    "context_management": NotHonoured(),
+    "service_tier": NotHonoured(("auto", "standard_only"), "cadence has one tier"),
+    "speed": NotHonoured(("standard",)),
+    "metadata": _HINT,
+    "cache_control": _HINT,
+    "inference_geo": _HINT,
+    "diagnostics": _HINT,
+    "user_profile_id": _HINT,
+    "workspace_id": _HINT,
+}
+
 NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
     "chat": {
         **_GENERATION,
@@ -130,6 +150,38 @@ NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
         "media_io_kwargs": NotHonoured(),
     },
     "detokenize": {},
+    # OpenAI's Responses API (responses.py): stateless, function tools, text output.
+    "responses": {
+        "store": NotHonoured((False,), "cadence keeps no responses (stateless): send the whole "
+                                       "conversation in input"),
+        "previous_response_id": NotHonoured(why="cadence keeps no responses (stateless): send "
+                                                "the whole conversation in input"),
+        "conversation": NotHonoured(why="cadence keeps no conversations (stateless): send the "
+                                        "whole conversation in input"),
+        "background": NotHonoured((False,)),
+        "background_options": NotHonoured(),
+        "include": NotHonoured(),
+        "reasoning": NotHonoured(why="the model reasons as it was trained to; its reasoning, "
+                                     "if any, comes back as reasoning items"),
+        "max_tool_calls": NotHonoured(),
+        "prompt": NotHonoured(why="cadence keeps no prompt templates: send instructions and input"),
+        "top_logprobs": NotHonoured((0,)),
+        "truncation": NotHonoured(("disabled",)),
+        "context_management": NotHonoured(),
+        "moderation": NotHonoured(),
+        "access_programs": NotHonoured(),
+        "image": NotHonoured(why="cadence serves text models"),
+        "stream_options": NotHonoured(({"include_obfuscation": False},)),
+        "service_tier": NotHonoured(("auto", "default"), "cadence has one tier, auto"),
+        "metadata": _HINT,
+        "safety_identifier": _HINT,
+        "prompt_cache_key": _HINT,
+        "prompt_cache_retention": _HINT,
+        "prompt_cache_options": _HINT,
+    },
+    # Anthropic's Messages API (messages.py): text and tool_use blocks.
+    "messages": _ANTHROPIC,
+    "messages_count_tokens": _ANTHROPIC,
     "load_lora_adapter": {"load_inplace": NotHonoured((False,))},
     "unload_lora_adapter": {},
 }
