@@ -37,7 +37,7 @@ from cadence.engine.dp_client import make_async_llm
 from cadence.models.default_model import model_name_of
 from cadence.models.hub import resolve_model_options
 from cadence.server.adapters import ServedModels
-from cadence.server.config import ServerConfig, parse_lora_modules
+from cadence.server.config import ServerConfig, parse_lora_modules, read_chat_template
 from cadence.server.errors import error_response, install_error_handlers
 from cadence.server.messages import add_messages_routes
 from cadence.server.metrics import CONTENT_TYPE, PrometheusStatLogger
@@ -71,7 +71,10 @@ class ServerState:
         self.llm = make_async_llm(options, stat_logger=self.metrics,
                                   max_num_queued_requests=config.max_num_queued_requests)
         self.serving = OpenAIServing(self.llm, self.model_name, max_n=config.max_n,
-                                     tool_call_parser=config.tool_call_parser)
+                                     tool_call_parser=config.tool_call_parser,
+                                     reasoning_parser=config.reasoning_parser,
+                                     thinking_token_budget=config.thinking_token_budget,
+                                     chat_template=read_chat_template(config.chat_template))
         self.gate = RequestGate()
         self.created = int(time.time())
         self.models = ServedModels(self.llm, self.model_name, model_root)

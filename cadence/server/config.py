@@ -10,6 +10,7 @@ from cadence.config import _require, option
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 TOOL_CALL_PARSERS = ("hermes",)  # cadence.server.tool_calls.AUTO_TOOL_PARSERS
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # cadence.server.reasoning.REASONING_PARSERS
 API_KEY_ENV = "CADENCE_API_KEY"
 # vLLM's switch for the runtime adapter endpoints, honoured too.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -33,6 +34,18 @@ class ServerConfig:
         "hermes", "How tool calls are read from the model's text under tool_choice \"auto\": "
                   "hermes (<tool_call>{json}</tool_call>, the format of Hermes, Qwen and "
                   "SmolLM-style templates).")
+    reasoning_parser: str | None = option(
+        None, "Split the model's thinking from its answer into the message's reasoning "
+              "(and reasoning_content) field: qwen3 (<think>...</think>, as Qwen3 and SmolLM3 "
+              "write it) or deepseek_r1 (the same tags, the output starting inside the "
+              "thinking). Default: no split.")
+    thinking_token_budget: int | None = option(
+        None, "Thinking tokens a chat request may spend before the engine makes the model "
+              "close its thinking and answer (a request's thinking_token_budget overrides it). "
+              "Needs --reasoning-parser. Default: no limit.")
+    chat_template: str | None = option(
+        None, "A Jinja chat template (its file's path, or the template itself) used in place "
+              "of the model's own.")
     access_log: bool = option(False, "Log every HTTP request.")
     log_level: str = option("info", "Server log level: critical, error, warning, info, debug.")
     # Not option(): repr=False keeps the key out of logs and tracebacks.
@@ -80,6 +93,12 @@ class ServerConfig:
         _require(self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
                  f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+        _require(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
+                 f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        _require(self.thinking_token_budget is None or self.thinking_token_budget >= 0,
+                 "thinking_token_budget", "must be >= 0")
+        _require(self.thinking_token_budget is None or self.reasoning_parser is not None,
+                 "thinking_token_budget", "needs --reasoning-parser (which tags to close)")
         _require(self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
@@ -87,6 +106,14 @@ class ServerConfig:
             value = getattr(self, name)
             _require(0 < value < float("inf"), name, f"must be a positive number of seconds, "
                                                      f"got {value}")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it names no file."""
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
 
 
 def parse_lora_modules(items: tuple[str, ...]) -> list[tuple[str, str]]:

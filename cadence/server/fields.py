@@ -114,7 +114,9 @@ NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
         "function_call": NotHonoured(("none", "auto"), "use tools and tool_choice"),
         "prediction": NotHonoured(),
         "web_search_options": NotHonoured(),
-        "reasoning_effort": NotHonoured(),
+        "reasoning_effort": NotHonoured(why="no chat template cadence loads reads it; "
+                                           "chat_template_kwargs {\"enable_thinking\": false} "
+                                           "turns thinking off where the template reads that"),
         "verbosity": NotHonoured(),
         "moderation": NotHonoured(),
         "store": NotHonoured((False,), _NO_STORE),
@@ -129,7 +131,6 @@ NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
         "continue_final_message": NotHonoured((False,)),
         "documents": NotHonoured(),
         "chat_template": NotHonoured(why="the model's own chat template is used"),
-        "include_reasoning": NotHonoured((True,), "cadence has no reasoning parser"),
         "add_special_tokens": NotHonoured((False,), "the chat template adds the special tokens"),
     },
     "completions": {

@@ -239,9 +239,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
+    # An earlier turn's thinking, under vLLM's new name or its old one; the
+    # templates read reasoning_content (and may strip it from earlier turns).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
+        if self.reasoning is not None and self.reasoning_content is None:
+            message["reasoning_content"] = self.reasoning
         if self.content is None:  # an assistant turn may have none; templates expect a string
             message["content"] = ""
         elif isinstance(self.content, list):
@@ -279,6 +285,12 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Reasoning (reasoning.py, with --reasoning-parser): false leaves the thinking
+    # out of the answer (it is still split from the content).
+    include_reasoning: bool = True
+    # vLLM's: thinking tokens before the engine closes the thinking (None: the
+    # server's --thinking-token-budget).
+    thinking_token_budget: int | None = None
 
     @model_validator(mode="after")
     def _check_conversation(self) -> "ChatCompletionRequest":

@@ -28,12 +28,17 @@ from cadence.core.request import LoRARequest
 from cadence.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from cadence.engine.inputs import prompt_token_ids
 from cadence.engine.outputs import RequestOutput
+from cadence.models.chat_template import render_chat_template
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
 from cadence.server.constraints import rename_field
 from cadence.server.errors import ClientGone, GenerationFailed, error_body
 from cadence.server.formatting import SSE_DONE, ChatLogprobs, CompletionLogprobs, TextDelta, sse, usage
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from cadence.server.reasoning import (
+    ReasoningFormat, ReasoningSplitter, count_reasoning_tokens, reasoning_format, split_reasoning,
+    thinking_tokens,
+)
 from cadence.server.tool_calls import (
     AUTO_TOOL_PARSERS, ToolCallDeltas, ToolParser, parse_all, parser_for, prepare_conversation,
     tool_calls_finish,
@@ -46,7 +51,11 @@ class OpenAIServing:
     """The two generation endpoints over one ``AsyncLLM``."""
 
     def __init__(self, llm: AsyncLLM, model_name: str, max_n: int = 16,
-                 tool_call_parser: str = "hermes") -> None:
+                 tool_call_parser: str = "hermes", reasoning_parser: str | None = None,
+                 thinking_token_budget: int | None = None, chat_template: str | None = None) -> None:
+        """``reasoning_parser``: the thinking format (reasoning.py), None: none;
+        ``thinking_token_budget``: the default of a chat request's own;
+        ``chat_template``: a Jinja template in place of the model's."""
         if max_n < 1:
             raise ValueError(f"max_n: must be >= 1, got {max_n}")
         if tool_call_parser not in AUTO_TOOL_PARSERS:
@@ -56,6 +65,11 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_n = max_n
         self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning_format(reasoning_parser)
+        if thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError("thinking_token_budget: needs a --reasoning-parser (which tags to close)")
+        self.thinking_token_budget = thinking_token_budget
+        self.chat_template = chat_template
 
     # ------------------------------------------------------------ completions
 
@@ -143,11 +157,13 @@ class OpenAIServing:
         functions, tool_choice = body.tool_setup()
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
+        template = self.chat_template or tokenizer.chat_template
         conversation, template_tools = prepare_conversation(
-            body.conversation(), functions if tool_choice != "none" else [], tokenizer.chat_template)
+            body.conversation(), functions if tool_choice != "none" else [], template)
         text, token_ids = await asyncio.to_thread(
             render_chat, tokenizer, conversation, body.add_generation_prompt, template_tools,
-            body.chat_template_kwargs)
+            body.chat_template_kwargs, self.chat_template)
+        params, thinking = self._with_thinking_budget(params, body, text)
         await asyncio.to_thread(self._check_constraint, params, body.constraint())
         tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         check_fits_context(len(token_ids), params, self._max_model_len, "messages", tokens_field)
@@ -163,19 +179,22 @@ class OpenAIServing:
         model = self._served_name(lora_request)
         num_top = body.top_logprobs or 0
         new_parser = lambda: parser_for(tool_choice, self.tool_call_parser)  # noqa: E731
+        thoughts = Thoughts(self.reasoning, thinking, body.include_reasoning, tokenizer)
         if body.stream:
             await self._wait_accepted(streams)
             chunks = self._chat_chunks(request_id, created, streams[0], params.n, num_top,
-                                       body.include_usage, new_parser, model)
+                                       body.include_usage, new_parser, model, thoughts)
             return event_stream(chunks, streams)
         final = (await collect(streams, raw))[0]
         choices = []
         for c in final.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reasoning, content = thoughts.split(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content,
+                                       **thoughts.fields(reasoning)}
             finish_reason = c.finish_reason
             parser = new_parser()
             if parser is not None:
-                message["content"], calls = parse_all(parser, c.text)
+                message["content"], calls = parse_all(parser, content)
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
                     finish_reason = tool_calls_finish(finish_reason)
@@ -186,14 +205,31 @@ class OpenAIServing:
             })
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created,
-            "model": model, "choices": choices, "usage": usage([final]),
+            "model": model, "choices": choices, "usage": thoughts.usage(final),
             **kv_transfer_answer([final]),
         })
+
+    def _with_thinking_budget(self, params: SamplingParams, body: ChatCompletionRequest,
+                              prompt: str) -> tuple[SamplingParams, Any]:
+        """The request's budget (or the server's) with the tags' token ids,
+        and those ids (None without a reasoning parser)."""
+        if self.reasoning is None:
+            if body.thinking_token_budget is not None:
+                raise ValueError("thinking_token_budget: this server has no --reasoning-parser")
+            return params, None
+        assert self.llm.tokenizer is not None
+        thinking = thinking_tokens(self.reasoning, self.llm.tokenizer, prompt)
+        budget = body.thinking_token_budget
+        if budget is None:
+            budget = self.thinking_token_budget
+        if budget is None:
+            return params, thinking
+        return params.replace(thinking_token_budget=budget, thinking=thinking), thinking
 
     async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, n: int,
                            num_top: int, include_usage: bool,
                            new_parser: Callable[[], ToolParser | None],
-                           model: str) -> AsyncIterator[str]:
+                           model: str, thoughts: "Thoughts") -> AsyncIterator[str]:
         assert self.llm.tokenizer is not None
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": model}
@@ -201,6 +237,7 @@ class OpenAIServing:
         deltas = [TextDelta() for _ in range(n)]
         logprobs = [ChatLogprobs(self.llm.tokenizer, num_top) for _ in range(n)]
         tool_streams = [ToolCallDeltas(new_parser()) for _ in range(n)]
+        splitters = [thoughts.splitter() for _ in range(n)]
         final = None
         for index in range(n):
             role = {"index": index, "delta": {"role": "assistant", "content": ""},
@@ -213,7 +250,9 @@ class OpenAIServing:
                 delta = deltas[c.index]
                 if delta.finished:
                     continue
-                message = tool_streams[c.index].take(delta.take(c), c.finished)
+                reasoning, content = thoughts.feed(splitters[c.index], delta.take(c), c.finished)
+                message = {**thoughts.fields(reasoning, delta=True),
+                           **tool_streams[c.index].take(content, c.finished)}
                 lp = logprobs[c.index].take(c)
                 if not message and not c.finished and not (lp and lp["content"]):
                     continue
@@ -227,7 +266,7 @@ class OpenAIServing:
                     choice["stop_reason"] = c.stop_reason
                 yield sse({**head, "choices": [choice], **extra})
         if include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage([final])})
+            yield sse({**head, "choices": [], "usage": thoughts.usage(final)})
         yield SSE_DONE
 
     # ------------------------------------------------------------ tokenize
@@ -242,7 +281,8 @@ class OpenAIServing:
         if body.messages is not None:
             conversation = [m.as_template_input() for m in body.messages]
             _, tokens = await asyncio.to_thread(render_chat, tokenizer, conversation,
-                                                body.add_generation_prompt)
+                                                body.add_generation_prompt, None, None,
+                                                self.chat_template)
         else:
             tokens = await asyncio.to_thread(tokenizer.encode, body.prompt or "",
                                              add_special_tokens=body.add_special_tokens)
@@ -310,6 +350,46 @@ class OpenAIServing:
         return streams
 
 
+class Thoughts:
+    """A chat request's reasoning: the split of each choice's text, the
+    message fields (``reasoning`` and vLLM's older ``reasoning_content``), and
+    the reasoning tokens in the usage. Without a parser: all content."""
+
+    def __init__(self, fmt: ReasoningFormat | None, thinking: Any, include: bool,
+                 tokenizer: Tokenizer) -> None:
+        self.fmt = fmt
+        self.thinking = thinking  # ThinkingTokens, with whether the prompt opened the thinking
+        self.include = include
+        self.tokenizer = tokenizer
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        if self.fmt is None:
+            return None, text
+        reasoning, content = split_reasoning(self.fmt, self.thinking.starts_inside, text)
+        return reasoning, content or ""
+
+    def splitter(self) -> ReasoningSplitter | None:
+        return None if self.fmt is None else ReasoningSplitter(self.fmt, self.thinking.starts_inside)
+
+    @staticmethod
+    def feed(splitter: ReasoningSplitter | None, text: str, final: bool) -> tuple[str, str]:
+        return ("", text) if splitter is None else splitter.feed(text, final)
+
+    def fields(self, reasoning: str | None, delta: bool = False) -> dict[str, Any]:
+        """The message's reasoning fields; a stream's delta has them only when it has some."""
+        if self.fmt is None or not self.include or (delta and not reasoning):
+            return {}
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+    def usage(self, final: RequestOutput) -> dict[str, Any]:
+        result = usage([final])
+        if self.fmt is not None:
+            num = sum(count_reasoning_tokens(c.token_ids, self.thinking, self.split(c.text)[0],
+                                             self.tokenizer) for c in final.outputs)
+            result["completion_tokens_details"] = {"reasoning_tokens": num}
+        return result
+
+
 def kv_transfer_answer(finals: list[RequestOutput]) -> dict[str, Any]:
     """The KV connector's answer (vLLM's ``kv_transfer_params`` field), if it gave one."""
     params = finals[0].kv_transfer_params if len(finals) == 1 else None
@@ -318,7 +398,8 @@ def kv_transfer_answer(finals: list[RequestOutput]) -> dict[str, Any]:
 
 def render_chat(tokenizer: Tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                template_kwargs: dict[str, Any] | None = None,
+                template: str | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids) of a conversation; runs in a worker thread.
 
     The template is the model's and renders every well-formed conversation, so
@@ -326,8 +407,13 @@ def render_chat(tokenizer: Tokenizer, conversation: list[dict[str, Any]], add_ge
     the template cannot use): a 400 naming messages, never a 500.
     """
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **(template_kwargs or {}))
+        if template is None:  # the model's own
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools, **(template_kwargs or {}))
+        else:
+            text = render_chat_template(template, conversation, add_generation_prompt=add_generation_prompt,
+                                        tools=tools, bos_token=tokenizer.bos_token,
+                                        eos_token=tokenizer.eos_token, **(template_kwargs or {}))
     except ValueError as err:  # the template's raise_exception (roles out of order, ...)
         raise ValueError(f"messages: {err}") from None
     except (jinja2.TemplateError, TypeError) as err:  # e.g. a kwarg of a type it cannot use
