@@ -180,7 +180,8 @@ def wait_until(condition, timeout_s: float = 60.0, interval_s: float = 0.25) -> 
 
 # Generated values are capped so that a case costs the engine a few tokens at most;
 # everything else (types, signs, strings, nesting) stays as schemathesis made it.
-FUZZ_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2, "best_of": 2}
+FUZZ_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "min_tokens": 4,
+             "n": 2, "best_of": 2}
 FUZZ_MAX_PROMPTS = 4
 
 
@@ -262,14 +263,16 @@ class Fuzzer:
 def keep_cheap(body: dict, model: str) -> None:
     """Cap the costly values of a generated body in place (see FUZZ_CAPS); a string
     ``model`` becomes the served one, so that cases reach generation, not a 404."""
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        # A chat without one, or a completion with max_tokens null, may fill the context.
-        body["max_tokens"] = FUZZ_CAPS["max_tokens"]
+    if all(body.get(name) is None for name in ("max_tokens", "max_completion_tokens",
+                                               "max_output_tokens")):
+        # A chat or a response without one, or a completion with max_tokens null, may fill
+        # the context (/v1/responses names it max_output_tokens).
+        body["max_output_tokens" if "input" in body else "max_tokens"] = FUZZ_CAPS["max_tokens"]
     for name, cap in FUZZ_CAPS.items():
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[name] = cap
-    for name in ("prompt", "messages"):
+    for name in ("prompt", "messages", "input"):
         if isinstance(body.get(name), list) and body[name] and isinstance(body[name][0], (list, dict, str)):
             body[name] = body[name][:FUZZ_MAX_PROMPTS]
     if isinstance(body.get("model"), str):
