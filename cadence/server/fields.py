@@ -63,7 +63,6 @@ _GENERATION = {
     "length_penalty": NotHonoured((1, 1.0), "only for beam search, which cadence does not do"),
     "bad_words": NotHonoured(),
     "allowed_token_ids": NotHonoured(),
-    "prompt_logprobs": NotHonoured(),
     "truncate_prompt_tokens": NotHonoured(),
     "spaces_between_special_tokens": NotHonoured((True,)),
     "return_tokens_as_token_ids": NotHonoured((False,)),
@@ -107,6 +106,7 @@ _ANTHROPIC = {
 NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
     "chat": {
         **_GENERATION,
+        "prompt_logprobs": NotHonoured(),
         # OpenAI's
         "audio": NotHonoured(why="cadence serves text models"),
         "modalities": NotHonoured((["text"],), "cadence serves text models"),
@@ -135,7 +135,6 @@ NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
     },
     "completions": {
         **_GENERATION,
-        "echo": NotHonoured((False,)),
         "suffix": NotHonoured(),
         "prompt_embeds": NotHonoured(),
         "add_special_tokens": NotHonoured((True,), "the prompt always gets the tokenizer's "

@@ -37,6 +37,9 @@ def _value(logprob: float) -> float:
     return MIN_LOGPROB if math.isnan(logprob) or logprob < MIN_LOGPROB else logprob
 
 
+logprob_value = _value  # JSON's value of a logprob (no -inf, no NaN)
+
+
 def _by_rank(row: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     return sorted(row.items(), key=lambda item: (item[1].rank or 0))
 

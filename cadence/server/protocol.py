@@ -191,13 +191,30 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     best_of: int | None = None
+    # The prompt before the completion, in the text and (with logprobs) in the logprobs.
+    echo: bool = False
+    # vLLM's: the top prompt_logprobs of every prompt position, in each choice.
+    prompt_logprobs: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: not supported (use n)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")
         constraint = self.constraint()
-        return self._sampling_params(self.max_tokens, self.logprobs,
-                                     constraint[1] if constraint else None)
+        params = self._sampling_params(self.max_tokens, self.logprobs,
+                                       constraint[1] if constraint else None)
+        return params.replace(prompt_logprobs=self.num_prompt_logprobs)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt position the engine computes: what
+        ``prompt_logprobs`` asks, and ``logprobs`` too when the prompt is echoed
+        (as vLLM); None: none."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch: strings or token-id lists."""

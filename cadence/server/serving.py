@@ -32,6 +32,7 @@ from cadence.models.chat_template import render_chat_template
 from cadence.models.tokenizer import Tokenizer
 from cadence.sampling_params import SamplingParams
 from cadence.server.constraints import rename_field
+from cadence.server.echo import PromptEcho
 from cadence.server.errors import ClientGone, GenerationFailed, error_body
 from cadence.server.formatting import SSE_DONE, ChatLogprobs, CompletionLogprobs, TextDelta, sse, usage
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -90,16 +91,17 @@ class OpenAIServing:
         if body.stream:
             await self._wait_accepted(streams)
             chunks = self._completion_chunks(request_id, created, streams, params.n,
-                                             body.include_usage, model)
+                                             body.include_usage, model, self._prompt_echo(body))
             return event_stream(chunks, streams)
         finals = await collect(streams, raw)
+        echo = self._prompt_echo(body)
         choices = []
         for i, final in enumerate(finals):
             for c in final.outputs:
+                logprobs = echo.completion_logprobs(final).take(c)
                 choices.append({
-                    "index": i * params.n + c.index, "text": c.text,
-                    "logprobs": CompletionLogprobs().take(c), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
+                    "index": i * params.n + c.index, **echo.first_choice(final, c.text, logprobs),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 })
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created,
@@ -120,8 +122,13 @@ class OpenAIServing:
         except ValueError as err:  # the API's field is "prompt"
             raise ValueError("prompt:" + str(err).split(":", 1)[1]) from None
 
+    def _prompt_echo(self, body: CompletionRequest) -> PromptEcho:
+        assert self.llm.tokenizer is not None
+        return PromptEcho(self.llm.tokenizer, body.echo, body.logprobs, body.prompt_logprobs)
+
     async def _completion_chunks(self, request_id: str, created: int, streams: list[RequestStream],
-                                 n: int, include_usage: bool, model: str) -> AsyncIterator[str]:
+                                 n: int, include_usage: bool, model: str,
+                                 echo: PromptEcho) -> AsyncIterator[str]:
         deltas: dict[tuple[int, int], TextDelta] = {}
         logprobs: dict[tuple[int, int], CompletionLogprobs] = {}
         finals: dict[int, RequestOutput] = {}
@@ -136,11 +143,17 @@ class OpenAIServing:
                 if delta.finished:
                     continue
                 text = delta.take(c)
-                lp = logprobs.setdefault((i, c.index), CompletionLogprobs()).take(c)
+                first = (i, c.index) not in logprobs
+                if first:
+                    logprobs[(i, c.index)] = echo.completion_logprobs(output)
+                lp = logprobs[(i, c.index)].take(c)
                 if not text and not c.finished and not (lp and lp["tokens"]):
+                    if first:
+                        del logprobs[(i, c.index)]  # the prompt goes out with the first chunk
                     continue
                 delta.finished = c.finished
-                choice = {"index": i * n + c.index, "text": text, "logprobs": lp,
+                shown = echo.first_choice(output, text, lp) if first else {"text": text, "logprobs": lp}
+                choice = {"index": i * n + c.index, **shown,
                           "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason if c.finished else None}
                 yield sse({**head, "choices": [choice], **extra})

@@ -90,7 +90,7 @@ def test_known_fields_not_honoured_are_400s_naming_them(server):
         ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
         ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
         ("/v1/chat/completions", {"length_penalty": 0.5}, "length_penalty"),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
         ("/tokenize", {"return_token_strs": True}, "return_token_strs"),
