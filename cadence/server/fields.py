@@ -85,9 +85,6 @@ _GENERATION = {
 
 # Anthropic's Messages API, /v1/messages and its count_tokens.
 _ANTHROPIC = {
-    "thinking": NotHonoured(({"type": "disabled"},), "the model thinks as it was trained to "
-                            "(no budget can be set); its thinking, if any, comes back as thinking "
-                            "blocks"),
     "output_config": NotHonoured(),
     "output_format": NotHonoured(),
     "container": NotHonoured(),

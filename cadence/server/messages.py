@@ -13,7 +13,10 @@ text); an assistant's ``thinking`` goes back to the template as
 ``reasoning_content``. A model's reasoning (the chat message's
 ``reasoning_content`` or ``reasoning``, where a reasoning parser fills it)
 comes back as a ``thinking`` block, with an empty signature (cadence signs
-nothing). stop_reason: ``end_turn``, ``max_tokens``, ``stop_sequence`` (with
+nothing). ``thinking``: ``enabled`` sets the template's ``enable_thinking`` and
+its ``budget_tokens`` is the thinking token budget (with ``--reasoning-parser``),
+``disabled`` clears ``enable_thinking``, ``adaptive`` leaves the model its own
+way. stop_reason: ``end_turn``, ``max_tokens``, ``stop_sequence`` (with
 the sequence) or ``tool_use``. Errors are Anthropic's shape,
 ``{"type": "error", "error": {"type", "message"}}``, streamed as an ``error``
 event. Which top-level fields are honoured is ``fields.py``'s rule.
@@ -44,7 +47,8 @@ from cadence.server.tool_calls import prepare_conversation
 
 _RENAMES = ((r"^messages\.\d+", "messages"), (r"^max_(completion_)?tokens", "max_tokens"),
             (r"^stop(?!_)", "stop_sequences"), (r"^(tools\.\d+)\.function\.parameters", r"\1.input_schema"),
-            (r"^(tools\.\d+)\.function", r"\1"))
+            (r"^(tools\.\d+)\.function", r"\1"), (r"^thinking_token_budget", "thinking.budget_tokens"),
+            (r"^chat_template_kwargs", "thinking"))
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error"}
@@ -58,6 +62,7 @@ class _Conversation(RequestBody):
     system: Union[str, list[dict[str, Any]], None] = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -65,9 +70,10 @@ class _Conversation(RequestBody):
         refuse_lone_surrogates(data)
         return data
 
-    def chat_fields(self) -> dict[str, Any]:
+    def chat_fields(self, generating: bool = True) -> dict[str, Any]:
         fields = dict(model=self.model, messages=self.conversation(), tools=chat_tools(self.tools),
-                      tool_choice=chat_tool_choice(self.tool_choice))
+                      tool_choice=chat_tool_choice(self.tool_choice),
+                      **thinking_fields(self.thinking, generating))
         if (self.tool_choice or {}).get("disable_parallel_tool_use"):
             fields["parallel_tool_calls"] = False
         return fields
@@ -108,6 +114,24 @@ class CountTokensRequest(_Conversation):
 
 
 # ---------------------------------------------------------------- request: blocks -> messages
+
+
+def thinking_fields(thinking: dict[str, Any] | None, generating: bool) -> dict[str, Any]:
+    """Anthropic's ``thinking`` as chat fields: the template's ``enable_thinking``
+    (as Qwen3's templates read it; others ignore it) and, when ``enabled``, its
+    ``budget_tokens`` as the thinking token budget (a server with a
+    ``--reasoning-parser`` closes the thinking there). ``adaptive``: the model's own way."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type")
+    if kind == "adaptive":
+        return {}
+    if kind not in ("enabled", "disabled"):
+        raise ValueError(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}")
+    fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind == "enabled"}}
+    if kind == "enabled" and generating:
+        fields["thinking_token_budget"] = thinking.get("budget_tokens")
+    return fields
 
 
 def system_text(system: str | list[dict[str, Any]]) -> str:
@@ -239,7 +263,7 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
                           "input": value})
         else:
             text += arguments
-    if text or not calls:
+    if text or not (calls or blocks):
         blocks.append({"type": "text", "text": text})
     return blocks + calls
 
@@ -462,11 +486,14 @@ async def create_message(serving: OpenAIServing, resolve: Callable[[str | None],
 async def count_prompt_tokens(serving: OpenAIServing, body: CountTokensRequest) -> int:
     """The prompt's tokens as generation would render it: the chat template,
     with the tools (in the template, or in the system message where it has none)."""
-    chat = chat_request(body.chat_fields(), _RENAMES)
+    chat = chat_request(body.chat_fields(generating=False), _RENAMES)
     functions, tool_choice = chat.tool_setup()
     tokenizer = serving.llm.tokenizer
     assert tokenizer is not None
+    # As OpenAIServing.chat renders it: the server's --chat-template, else the model's.
     conversation, template_tools = prepare_conversation(
-        chat.conversation(), functions if tool_choice != "none" else [], tokenizer.chat_template)
-    _, token_ids = await asyncio.to_thread(render_chat, tokenizer, conversation, True, template_tools)
+        chat.conversation(), functions if tool_choice != "none" else [],
+        serving.chat_template or tokenizer.chat_template)
+    _, token_ids = await asyncio.to_thread(render_chat, tokenizer, conversation, True, template_tools,
+                                           chat.chat_template_kwargs, serving.chat_template)
     return len(token_ids)

@@ -209,7 +209,7 @@ def output_items(message: dict[str, Any], incomplete: bool) -> list[dict[str, An
     if reasoning:
         items.append(reasoning_item(new_id("rs"), reasoning, status))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
+    if message.get("content") or not (calls or items):
         items.append(message_item(new_id("msg"), message.get("content") or "", status))
     for call in calls:
         function = call["function"]

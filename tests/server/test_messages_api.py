@@ -135,7 +135,9 @@ def test_count_tokens_is_the_chat_templates_count(client, chat):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking: not supported"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking.budget_tokens: this server has no --reasoning-parser"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"output_config": {"effort": "high"}}, "output_config: not supported"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
