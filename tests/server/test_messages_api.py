@@ -18,6 +18,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from cadence.server.messages import MessageEvents, chat_messages
+from tests.server.serverlib import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0}  # Anthropic's older field: this client sends it as an extra
@@ -168,6 +169,20 @@ def test_errors_in_anthropic_shape(server, client):
     neutral = client.messages.create(model=MODEL, max_tokens=2, messages=[QUESTION],
                                      thinking={"type": "disabled"}, metadata={"user_id": "u1"})
     assert neutral.stop_reason == "max_tokens"
+
+
+def test_disconnect_mid_stream_aborts(server, client):
+    """A client gone mid-stream closes the chat stream under the translation:
+    its engine request is aborted and its KV blocks are freed."""
+    aborted = server.metrics('finished_reason="abort"').get("cadence:request_success_total", 0.0)
+    with client.messages.stream(model=MODEL, max_tokens=1500, extra_body=GREEDY, messages=[
+            {"role": "user", "content": "Count from 1 to 1000, one number per line."}]) as stream:
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        assert server.metrics()["cadence:num_requests_running"] == 1
+    assert wait_until(lambda: server.metrics()["cadence:kv_cache_usage_perc"] == 0.0, 60)
+    assert server.metrics('finished_reason="abort"')["cadence:request_success_total"] == aborted + 1
 
 
 # ------------------------------------------------------------------ reasoning, without a server
