@@ -1,0 +1,53 @@
+"""Gemma 3 270M Q4_K_M, a real GGUF no one here made (tests/models/gemma3_file.py):
+it loads with every matrix kept in its blocks, and its greedy tokens are
+transformers' on the same file dequantized, in float32, alone and in a batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.engine.llm import LLM
+from cadence.models import load_model
+from cadence.models.gguf_loader import read_gguf
+from cadence.models.quantized import QuantizedTensor, keeps_quantized
+from cadence.sampling_params import SamplingParams
+from tests.models.gemma3_file import gemma3_path, recorded_reference
+
+
+@pytest.fixture(scope="module")
+def path():
+    return gemma3_path()
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(model=path, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_seqs=4,
+               num_threads=2)
+
+
+def test_every_matrix_stays_in_its_blocks(path):
+    import torch
+
+    model, _, config = load_model(path, torch.float32, "auto")
+    reader, _ = read_gguf(path)
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    assert config.architecture == "gemma3_text" and config.num_hidden_layers == 18
+    assert len(matrices) == 18 * 7 + 1  # q k v o gate up down per layer, the embedding
+    assert all(keeps_quantized(t.name, t.tensor_type, "auto") for t in matrices)
+    assert model.dequantized_at_load == {}
+    parts = model.quantized_weights()  # q/k/v and gate/up share a part where their types match
+    assert all(isinstance(part, QuantizedTensor) for part in parts)
+    assert sum(part.nbytes for part in parts) == sum(t.n_bytes for t in matrices)
+
+
+def test_greedy_tokens_equal_transformers(llm):
+    reference = recorded_reference()
+    assert llm.tokenizer.encode(reference["prompt"]) == reference["prompt_token_ids"]
+    params = SamplingParams(max_tokens=len(reference["greedy_token_ids"]), temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": reference["prompt_token_ids"]}
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(alone) == reference["greedy_token_ids"]
+    others = [{"prompt_token_ids": reference["prompt_token_ids"][:1] + ids}
+              for ids in ([1437, 9145, 563], [2094, 236789, 236751, 3074], [818, 1595])]
+    batched = llm.generate([others[0], prompt, *others[1:]], params, use_tqdm=False)
+    assert list(batched[1].outputs[0].token_ids) == reference["greedy_token_ids"]
