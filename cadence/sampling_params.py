@@ -111,6 +111,37 @@ class ThinkingTokens:
                 _check_int("thinking_token_budget", t, minimum=0)
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """A pooling request (embeddings): no token is sampled; the request finishes
+    in the step that computes its prompt's last token, with the pooled final
+    hidden state (the model's final norm applied).
+
+    ``type``: ``last`` (the last prompt token's state, for decoder LLMs) or
+    ``mean`` (the mean over the prompt's tokens); None: the model's own (its
+    GGUF ``pooling_type``, else last). ``normalize``: divided by its L2 norm.
+    """
+
+    type: str | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type is not None and self.type not in POOLING_TYPES:
+            raise ValueError(f"pooling: type must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {_shown(self.type)}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooling: normalize must be true or false, got {_shown(self.normalize)}")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hit):
+        all but last-token pooling read every position's state (None may be mean)."""
+        return self.type != "last"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of a request, and when to stop."""
@@ -143,6 +174,8 @@ class SamplingParams:
     # (cadence/core/sched/thinking.py). ``thinking`` comes from the front end.
     thinking_token_budget: int | None = None
     thinking: ThinkingTokens | None = None
+    # An embedding request: pooled hidden state, no sampled token (PoolingParams).
+    pooling: PoolingParams | None = None
     extra_args: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +242,7 @@ class SamplingParams:
         ):
             raise ValueError("structured_outputs: must be a StructuredOutputParams or a dict")
         self._check_thinking_budget()
+        self._check_pooling()
 
     def _check_thinking_budget(self) -> None:
         if self.thinking_token_budget is None:
@@ -218,6 +252,26 @@ class SamplingParams:
             raise ValueError("thinking_token_budget: needs the model's thinking tokens "
                              "(a server started with --reasoning-parser)")
 
+    def _check_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if not isinstance(self.pooling, PoolingParams):
+            raise ValueError("pooling: must be a PoolingParams")
+        asked = [name for name, value in (("n", self.n != 1), ("logprobs", self.logprobs is not None),
+                                          ("prompt_logprobs", self.prompt_logprobs is not None),
+                                          ("structured_outputs", self.structured_outputs is not None),
+                                          ("thinking_token_budget", self.thinking_token_budget is not None))
+                 if value]
+        if asked:
+            raise ValueError(f"{asked[0]}: a pooling (embedding) request samples no token")
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether the request reads every prompt position's output (prompt
+        logprobs, mean pooling): it must take no prefix-cache hit."""
+        return self.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.needs_every_position)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
@@ -225,6 +279,16 @@ class SamplingParams:
     def replace(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def embedding_params(pooling: PoolingParams | None, model_pooling_type: str | None) -> SamplingParams:
+    """The params of an embedding request: ``pooling`` with its type made
+    concrete (the model's, else last), so that last-token pooling may take
+    prefix-cache hits."""
+    pooling = pooling or PoolingParams()
+    if pooling.type is None:
+        pooling = dataclasses.replace(pooling, type=model_pooling_type or "last")
+    return SamplingParams(max_tokens=None, temperature=0.0, pooling=pooling)
 
 
 def _check_int(

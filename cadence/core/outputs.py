@@ -72,7 +72,10 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     # req_id -> (token_ids, logprobs, ranks) rows for prompt positions computed this step.
     prompt_logprobs_dict: dict[str, Any] = field(default_factory=dict)
-    pooler_output: list[Any] = field(default_factory=list)
+    # Per request of the step (as ``req_ids``): the pooled hidden state of a
+    # pooling request whose prompt ended in this step, else None; [] when the
+    # step has no such request.
+    pooler_output: list[list[float] | None] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None
     num_nans_in_logits: dict[str, int] | None = None
     # req_id -> why the runner cannot serve it (its LoRA adapter cannot be
@@ -181,6 +184,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     kv_transfer_params: dict[str, Any] | None = None
     # Set on a child of a parallel-sampling (n > 1) request.
     parent_request_id: str | None = None
+    # A pooling request's pooled hidden state (it finishes with it).
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -138,6 +138,7 @@ class Request:
         "block_hashes", "mm_positions", "mm_hashes", "structured_output_request",
         "events", "parent_request_id", "num_nans_in_logits", "fork_point",
         "extra_hash_key", "tenant", "slo_ttft_s", "slo_tpot_s", "kv_transfer_params",
+        "is_pooling",
     )
 
     def __init__(
@@ -214,6 +215,9 @@ class Request:
         # What a KV connector reads (and answers) about KV computed or used
         # elsewhere, e.g. prefill/decode disaggregation; vLLM carries it in
         # the sampling params' extra_args too.
+        # An embedding request: it samples nothing and finishes in the step
+        # that computes its prompt's last token, with the pooled hidden state.
+        self.is_pooling = sampling_params.pooling is not None
         extra_args = sampling_params.extra_args
         self.kv_transfer_params: dict[str, Any] | None = (
             extra_args.get("kv_transfer_params") if extra_args else None)

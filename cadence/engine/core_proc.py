@@ -129,6 +129,7 @@ class EngineCoreProc:
             vocab_size=self.engine.tokenizer.vocab_size,
             max_num_seqs=options.scheduler.max_num_seqs,
             num_kv_blocks=options.cache.num_gpu_blocks, block_size=options.cache.block_size,
+            pooling_type=self.engine.model_config.pooling_type or "last",
         )
 
     def run(self) -> None:

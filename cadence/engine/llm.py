@@ -22,7 +22,7 @@ from cadence.engine.inputs import PromptType, make_request, prompt_token_ids
 from cadence.engine.output_processor import OutputProcessor
 from cadence.engine.outputs import RequestOutput
 from cadence.models.hub import resolve_model_options
-from cadence.sampling_params import SamplingParams
+from cadence.sampling_params import PoolingParams, SamplingParams, embedding_params
 from cadence.structured import GrammarLimits, IsolatedGrammarChecker
 
 Conversation = list[dict[str, Any]]
@@ -104,6 +104,23 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, user=user,
                              lora_request=lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        user: str | Sequence[str | None] | None = None,
+    ) -> list[list[float]]:
+        """The embedding of each prompt, in order: the final hidden state pooled
+        as ``pooling`` says (default: the model's pooling, L2-normalised). The
+        prompts go through the same scheduler as generation; none samples a token."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = embedding_params(pooling, self.engine.model_config.pooling_type)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, user=user)
+        return [output.embedding for output in outputs]
 
     def _params_for(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:

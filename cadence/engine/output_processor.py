@@ -41,6 +41,7 @@ class _RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     engine_ids: list[str] = field(default_factory=list)  # ids the scheduler uses
     kv_transfer_params: dict | None = None
+    embedding: list[float] | None = None  # a pooling request's
 
     @property
     def finished(self) -> bool:
@@ -137,6 +138,8 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
             state.kv_transfer_params = out.kv_transfer_params
+        if out.pooled is not None:
+            state.embedding = out.pooled
         new_ids = out.new_token_ids
         completion.token_ids.extend(new_ids)
         if completion.logprobs is not None and out.new_logprobs is not None:
@@ -197,7 +200,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
-            kv_transfer_params=state.kv_transfer_params,
+            kv_transfer_params=state.kv_transfer_params, embedding=state.embedding,
         )
 
     def _forget(self, state: _RequestState) -> None:

@@ -50,3 +50,5 @@ class RequestOutput:
     # A KV connector's answer for the client (prefill/decode disaggregation:
     # where the prompt's KV waits to be pulled); set on the final output.
     kv_transfer_params: dict | None = None
+    # A pooling (embedding) request's pooled hidden state, on its final output.
+    embedding: list[float] | None = None

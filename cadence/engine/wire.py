@@ -64,6 +64,8 @@ class EngineReady(msgspec.Struct, gc=False):
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
+    # What an embedding request pools when it does not say (the model's own).
+    pooling_type: str = "last"
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

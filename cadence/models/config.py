@@ -75,6 +75,9 @@ class ModelConfig:
     # Rope base of the sliding-window layers, which then take no rope_scaling (Gemma 3's local
     # layers); None: every layer uses rope_theta and rope_scaling.
     sliding_rope_theta: float | None = None
+    # How an embedding request pools the final hidden states ("last" or "mean"):
+    # the GGUF's pooling_type where it names one of those, else None (last).
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
@@ -163,6 +166,7 @@ class ModelConfig:
             eos_token_ids=gguf_eos_token_ids(metadata),
             sliding_window=key("attention.sliding_window"),
             partial_rotary_factor=rope_dim / head_dim,
+            pooling_type=GGUF_POOLING_TYPES.get(key("pooling_type")),
         )
         return cls(**{**common, **family.gguf_fields(key), **family.fixed})
 
@@ -220,6 +224,11 @@ class ModelConfig:
         layers = self.num_hidden_layers * (attention + norms * h) + mlps
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + layers + h  # + final norm
+
+
+# llama.cpp's enum llama_pooling_type, for the kinds an embedding request can
+# pool here (0 none, 2 cls and 4 rank are left to the default, last).
+GGUF_POOLING_TYPES = {1: "mean", 3: "last"}
 
 
 def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:

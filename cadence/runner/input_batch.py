@@ -49,6 +49,10 @@ class RequestState:
     eos_token_id: int | None = None
     draft_gate: "DraftGate | None" = None  # whether to draft for it (speculative decoding)
     lora_int_id: int = 0  # its LoRA adapter (0: the base model)
+    # Mean pooling: the sum of the final hidden states of prompt positions
+    # [0, num_pooled), kept across chunks (runner/pooling.py).
+    pooled_sum: torch.Tensor | None = None
+    num_pooled: int = 0
 
     @property
     def min_tokens_pending(self) -> bool:
@@ -85,7 +89,8 @@ class StepInputs:
     num_drafts: np.ndarray  # [S] speculative tokens at the end of each query
     query_start_loc: np.ndarray  # [S + 1]
     seq_lens: np.ndarray  # [S] num_computed + num_scheduled
-    does_sample: np.ndarray  # [S] bool: reaches the end of its known tokens
+    does_sample: np.ndarray  # [S] bool: reaches the end of its known tokens (pooling requests never)
+    pools: np.ndarray  # [S] bool: a pooling request (embeddings), which samples nothing
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
@@ -113,6 +118,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.pools = np.zeros(max_num_reqs, dtype=bool)  # pooling requests (sample nothing)
         self.states: list[RequestState] = []  # row -> request
         self.req_id_to_row: dict[str, int] = {}
 
@@ -141,6 +147,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = 0
+        self.pools[row] = state.sampling_params.pooling is not None
         self.append_block_ids(row, state.block_ids, mirror_only=True)
         return row
 
@@ -161,6 +168,7 @@ class InputBatch:
         self.num_tokens[dst] = num_tokens
         self.num_blocks[dst] = num_blocks
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        self.pools[dst] = self.pools[src]
 
     # ------------------------------------------------------------ deltas
 
@@ -220,7 +228,8 @@ class InputBatch:
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
-        does_sample = seq_lens - num_drafts >= self.num_tokens[rows]
+        pools = self.pools[rows]
+        does_sample = (seq_lens - num_drafts >= self.num_tokens[rows]) & ~pools
 
         # Token t belongs to sequence seq_of[t], at position num_computed + (t - start).
         seq_of = np.repeat(np.arange(len(rows)), num_scheduled)  # [T]
@@ -239,6 +248,7 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             does_sample=does_sample,
+            pools=pools,
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
             slot_mapping=torch.from_numpy(slot_mapping),

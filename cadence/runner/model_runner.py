@@ -9,7 +9,7 @@ One step, start to end:
       -> model forward with paged attention (KV written, then read, per layer)
       -> logits only at the rows that sample (and at draft positions)
       -> sample; verify drafts (accept the longest prefix the sampler agrees with)
-      -> logprobs, prompt logprobs, new drafts for the next step
+      -> logprobs, prompt logprobs, pooled states (embeddings), new drafts for the next step
       -> ModelRunnerOutput
 
 The runner never sees a ``Request``: it keeps its own ``RequestState`` per
@@ -42,6 +42,7 @@ from cadence.runner.kv_transfer.base import KVConnectorWorker, take_connector_ou
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
 from cadence.runner.lora import LoRAManager
 from cadence.runner.ngram_drafter import NgramDrafter
+from cadence.runner.pooling import Pooler
 from cadence.runner.sampler import Sampler, compute_prompt_logprobs
 from cadence.runner.sampling_metadata import SamplingMetadata, make_generator
 from cadence.runner.step_sampling import (
@@ -126,6 +127,7 @@ class ModelRunner(RunnerBase):
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
         self.sampler = Sampler()
+        self.pooler = Pooler(model_config.pooling_type)  # embedding requests
         self.drafter = _make_drafter(speculative_config)
         # Drafting's floor: fixed by the option, else measured (the break-even acceptance).
         self.draft_acceptance_floor = speculative_config.draft_acceptance_floor if speculative_config else None
@@ -285,6 +287,7 @@ class ModelRunner(RunnerBase):
             hidden, logits_indices = self._forward(step)  # [T, hidden], [N]
             sampled, logprobs = self._sample(step, hidden, logits_indices, scheduler_output)
             prompt_logprobs = self._prompt_logprobs(step, hidden)
+            pooled = self.pooler.pool(step, hidden, self.input_batch.states)
         if self.draft_costs is not None:  # (sampling ended in .tolist(): the step is done)
             self.draft_costs.observe_step(scheduler_output.total_num_scheduled_tokens,
                                           sum(map(len, sampled)), time.perf_counter() - start)
@@ -298,6 +301,7 @@ class ModelRunner(RunnerBase):
             spec_token_ids=self._propose_drafts(step, sampled),
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            pooler_output=pooled,
             failed_requests=failed,
         )
 

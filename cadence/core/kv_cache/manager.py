@@ -72,8 +72,8 @@ class KVCacheManager:
         Returns the blocks (not yet referenced: ``allocate_slots`` takes them)
         and the number of tokens they cover.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        if not self.enable_caching or request.sampling_params.needs_every_prompt_position:
+            return [], 0  # prompt logprobs, mean pooling: every prompt position computed
         # At least one token must be computed to produce logits.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         block_hashes = self._block_hashes(request, max_hit_blocks)
@@ -95,7 +95,7 @@ class KVCacheManager:
         """Tokens of the request's leading full blocks in the prefix cache now,
         as ``get_computed_blocks`` would find them: a look-up only (no block
         taken, no stats recorded)."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.sampling_params.needs_every_prompt_position:
             return 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         if max_hit_blocks <= 0:

@@ -113,7 +113,7 @@ class OffloadingConnector(KVConnectorBase):
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
             return self._match_swapped(request, swapped, first)
-        if request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.needs_every_prompt_position:
             return 0, False  # every prompt position is computed for its logprobs
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.kv.block_hashes_of(request, max_blocks)
@@ -135,7 +135,7 @@ class OffloadingConnector(KVConnectorBase):
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
             return min(swapped.num_tokens, request.num_tokens - 1) > first * self.block_size
-        if request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.needs_every_prompt_position:
             return False
         if first >= (request.num_tokens - 1) // self.block_size:
             return False
@@ -205,7 +205,7 @@ class OffloadingConnector(KVConnectorBase):
             return False
         # Recomputed: prompt logprobs (emitted as computed), multimodal inputs,
         # drafts in flight (their KV may be rejected).
-        return (request.sampling_params.prompt_logprobs is None and not request.mm_positions
+        return (not request.sampling_params.needs_every_prompt_position and not request.mm_positions
                 and request.num_output_placeholders <= 1)
 
     def _tier_slot_of(self, hashes: list[Any], index: int, num_tokens: int) -> int | None:

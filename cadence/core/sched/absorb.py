@@ -121,13 +121,15 @@ class OutputAbsorber:
         return not (
             scheduler_output.scheduled_spec_decode_tokens or runner_output.spec_token_ids is not None
             or runner_output.logprobs is not None or runner_output.prompt_logprobs_dict
-            or scheduler_output.structured_output_request_ids
+            or scheduler_output.structured_output_request_ids or runner_output.pooler_output
         )
 
     def _update_request(
         self, request: Request, index: int, new_token_ids: list[int], runner_output: ModelRunnerOutput
     ) -> EngineCoreOutput | None:
         """Absorb one request's result in the general case; its output, if it has one."""
+        if request.is_pooling:
+            return self._absorb_pooled(request, index, runner_output)
         if request.num_output_placeholders:
             request.num_output_placeholders = max(
                 0, request.num_output_placeholders - len(new_token_ids)
@@ -155,6 +157,20 @@ class OutputAbsorber:
         if fork:
             # After the output is made: the parent's output does not carry the fork's finish.
             self._fork(request)
+        return output
+
+    def _absorb_pooled(
+        self, request: Request, index: int, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """A pooling request finishes when its pooled state comes (its prompt's
+        last token computed); its blocks are freed (kept in the prefix cache)."""
+        pooled = runner_output.pooler_output[index] if runner_output.pooler_output else None
+        if pooled is None:
+            return None  # a chunk before the prompt's last one
+        request.status = RequestStatus.FINISHED_STOPPED
+        kv_transfer_params = self._free_request(request)
+        output = make_engine_core_output(request, [], None, None, kv_transfer_params)
+        output.pooled = pooled
         return output
 
     def _append_sampled(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:

@@ -693,8 +693,9 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
                     num_known = num_computed
                 if num_known // block_size > num_cached[req_id]:
                     kv.cache_blocks(request, num_known)
-            if track_placeholders and num_computed >= request.num_tokens:
-                # Every token past the known ones samples one (the last) output.
+            if track_placeholders and num_computed >= request.num_tokens and not request.is_pooling:
+                # Every token past the known ones samples one (the last) output
+                # (a pooling request samples none: it finishes with its prompt).
                 request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
             if request.mm_positions:
                 free_consumed_encoder_inputs(request, self.encoder_cache_manager)
