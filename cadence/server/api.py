@@ -38,6 +38,7 @@ from cadence.models.default_model import model_name_of
 from cadence.models.hub import resolve_model_options
 from cadence.server.adapters import ServedModels
 from cadence.server.config import ServerConfig, parse_lora_modules, read_chat_template
+from cadence.server.embeddings import EmbeddingRequest, EmbeddingServing
 from cadence.server.errors import error_response, install_error_handlers
 from cadence.server.messages import add_messages_routes
 from cadence.server.metrics import CONTENT_TYPE, PrometheusStatLogger
@@ -166,6 +167,12 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await serving.chat(body, raw, state.models.resolve(body.model))
+
+    embedder = EmbeddingServing(llm, state.model_name)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request):
+        return await embedder.embeddings(body, raw, state.models.resolve(body.model))
 
     add_responses_routes(app, serving, state.models.resolve)  # /v1/responses
     add_messages_routes(app, serving, state.models.resolve)  # /v1/messages (Anthropic's)

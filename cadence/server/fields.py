@@ -146,6 +146,17 @@ NOT_HONOURED: dict[str, dict[str, NotHonoured]] = {
         "mm_processor_kwargs": NotHonoured(),
         "media_io_kwargs": NotHonoured(),
     },
+    "embeddings": {
+        "dimensions": NotHonoured(why="the served model's embeddings have one size (it is not "
+                                      "trained for shorter, Matryoshka, ones)"),
+        "truncate_prompt_tokens": NotHonoured(),
+        "add_special_tokens": NotHonoured((True,), "the input always gets the tokenizer's "
+                                                   "special tokens"),
+        "priority": NotHonoured((0,)),
+        "request_id": NotHonoured(why="the server names each request itself (the response's id)"),
+        "mm_processor_kwargs": NotHonoured(),
+        "embed_dtype": NotHonoured(("float32",), "base64 sends float32"),
+    },
     "detokenize": {},
     # OpenAI's Responses API (responses.py): stateless, function tools, text output.
     "responses": {

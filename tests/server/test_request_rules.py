@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 
 from cadence.server import fields
 from cadence.server.config import ServerConfig
+from cadence.server.embeddings import EmbeddingRequest
 from cadence.server.fields import ANY_VALUE, NOT_HONOURED
 from cadence.server.middleware import BodyLimitMiddleware
 from cadence.server.protocol import (
@@ -66,6 +67,7 @@ def assert_400(response: httpx.Response, param: str) -> str:
 
 
 BODIES = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
+          "embeddings": EmbeddingRequest,
           "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest,
           "load_lora_adapter": LoadLoRAAdapterRequest,
           "unload_lora_adapter": UnloadLoRAAdapterRequest}
