@@ -492,15 +492,18 @@ async def chat_chunks(response: StreamingResponse) -> AsyncIterator[dict[str, An
     until ``[DONE]``. However the iteration ends, the chat stream is closed,
     which aborts its engine request (a client gone mid-stream)."""
     iterator = response.body_iterator
+    pending = ""
     try:
         async for piece in iterator:
-            text = piece.decode() if isinstance(piece, bytes) else str(piece)
-            for line in text.splitlines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            pending += piece.decode() if isinstance(piece, bytes) else str(piece)
+            # Events end with a blank line. Not splitlines(): a model's text may hold
+            # U+2028 or U+0085, which JSON leaves unescaped and splitlines() splits on.
+            *events, pending = pending.split("\n\n")
+            for event in events:
+                if event == "data: [DONE]":
                     return
-                yield json.loads(line[len("data: "):])
+                if event.startswith("data: "):
+                    yield json.loads(event[len("data: "):])
     finally:
         await iterator.aclose()  # type: ignore[attr-defined]
 

@@ -7,6 +7,7 @@ stream state (issue 35, item 4)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -15,7 +16,10 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from openai._models import construct_type
 
-from cadence.server.responses import ResponseEvents, ResponseHead, ResponsesRequest, input_messages
+from cadence.server.formatting import SSE_DONE, sse
+from cadence.server.responses import (
+    ResponseEvents, ResponseHead, ResponsesRequest, chat_chunks, input_messages,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0}
@@ -196,3 +200,30 @@ def test_reasoning_deltas_become_a_reasoning_item_the_client_reads():
     assert final.output[0].content[0].text == "Thinking."
     assert final.output_text == "Hello"
     assert final.usage.output_tokens_details.reasoning_tokens == 3
+
+
+def test_chat_chunks_read_any_text_and_close_the_chat_stream():
+    """The chat stream read back as chunks: text with line separators that JSON
+    leaves as they are (U+2028, U+0085), events split across pieces; the chat
+    stream is closed when the reader stops early."""
+    closed = []
+
+    async def body():
+        try:
+            yield sse({"choices": [{"delta": {"content": "a\u2028b\x85c"}}]})
+            text = sse({"choices": [{"delta": {"content": "d"}}]})
+            yield text[:7]
+            yield text[7:] + SSE_DONE
+            yield sse({"never": "read"})
+        finally:
+            closed.append(True)
+
+    class Response:
+        body_iterator = body()
+
+    async def read():
+        return [chunk async for chunk in chat_chunks(Response())]
+
+    chunks = asyncio.run(read())
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a\u2028b\x85c", "d"]
+    assert closed == [True]
