@@ -40,7 +40,7 @@ from cadence.server.errors import (
 from cadence.server.protocol import ChatCompletionRequest, RequestBody, refuse_lone_surrogates
 from cadence.server.responses import (
     chat_chunks, chat_json, chat_request, message_reasoning, new_id, open_chat_stream, served_name,
-    translated_stream,
+    shown, translated_stream,
 )
 from cadence.server.serving import OpenAIServing, render_chat
 from cadence.server.tool_calls import prepare_conversation
@@ -127,7 +127,7 @@ def thinking_fields(thinking: dict[str, Any] | None, generating: bool) -> dict[s
     if kind == "adaptive":
         return {}
     if kind not in ("enabled", "disabled"):
-        raise ValueError(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}")
+        raise ValueError(f"thinking.type: must be enabled, disabled or adaptive, got {shown(kind)}")
     fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind == "enabled"}}
     if kind == "enabled" and generating:
         fields["thinking_token_budget"] = thinking.get("budget_tokens")
@@ -155,7 +155,7 @@ def chat_messages(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
     blocks become ``tool`` messages before the rest of its text."""
     role, content = message.get("role"), message.get("content")
     if role not in ("user", "assistant"):
-        raise ValueError(f"messages.{i}.role: must be user or assistant, got {role!r}")
+        raise ValueError(f"messages.{i}.role: must be user or assistant, got {shown(role)}")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -177,7 +177,7 @@ def chat_messages(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
         elif kind == "thinking" and role == "assistant":
             turn["reasoning_content"] = turn.get("reasoning_content", "") + (block.get("thinking") or "")
         else:
-            raise ValueError(f"{where}.type: {kind!r} blocks are not supported in a {role} turn "
+            raise ValueError(f"{where}.type: {shown(kind)} blocks are not supported in a {role} turn "
                              "(text, tool_use and thinking from the assistant, text and "
                              "tool_result from the user)")
     keep_turn = turn["content"] or turn.get("tool_calls") or turn.get("reasoning_content") or not results
@@ -198,7 +198,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     converted = []
     for i, tool in enumerate(tools):
         if tool.get("type", "custom") != "custom":
-            raise ValueError(f"tools.{i}.type: {tool.get('type')!r} tools are not supported "
+            raise ValueError(f"tools.{i}.type: {shown(tool.get('type'))} tools are not supported "
                              "(client tools with an input_schema are)")
         function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
@@ -216,7 +216,7 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
         return {"type": "function", "function": {"name": choice.get("name")}}
     chosen = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if chosen is None:
-        raise ValueError(f"tool_choice.type: must be auto, any, tool or none, got {kind!r}")
+        raise ValueError(f"tool_choice.type: must be auto, any, tool or none, got {shown(kind)}")
     return chosen
 
 

@@ -30,12 +30,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError, model_validator
 
+from cadence.server.errors import quoted
 from cadence.server.protocol import ChatCompletionRequest, RequestBody, refuse_lone_surrogates
 from cadence.server.serving import SSE_HEADERS, OpenAIServing
 
 # How the chat path's field names read in this API's errors.
 _RENAMES = ((r"^messages(\.\d+)?", "input"), (r"^max_(completion_)?tokens", "max_output_tokens"),
             (r"^response_format", "text.format"), (r"^(tools\.\d+)\.function", r"\1"))
+_REASONING_FIRST = "a reasoning item must come before its assistant turn (a message or function_call)"
 _STATELESS = "cadence keeps no responses (stateless): send the whole conversation in input"
 
 
@@ -91,36 +93,40 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "reasoning":
+        if item.get("type") == "reasoning":
             reasoning = (reasoning or "") + reasoning_text(item)
             continue
-        if kind == "message":
-            message = {"role": item.get("role"), "content": message_text(item.get("content"), i)}
-        elif kind == "function_call":
-            message = assistant_turn(messages, reasoning)
-            message.setdefault("tool_calls", []).append({
-                "id": item.get("call_id"), "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}})
-        elif kind == "function_call_output":
-            message = {"role": "tool", "tool_call_id": item.get("call_id"),
-                       "content": message_text(item.get("output"), i, "output")}
-        elif kind == "item_reference":
-            raise ValueError(f"input.{i}: item_reference: {_STATELESS}")
-        else:
-            raise ValueError(f"input.{i}.type: {kind!r} items are not supported (text messages, "
-                             "function_call, function_call_output and reasoning are)")
-        if reasoning is not None and message.get("role") == "assistant":
-            message["reasoning_content"], reasoning = reasoning, None
+        message = item_message(item, i, messages, reasoning)
         if reasoning is not None:
-            raise ValueError(f"input.{i}: a reasoning item must come before its assistant turn "
-                             "(a message or function_call)")
+            if message.get("role") != "assistant":
+                raise ValueError(f"input.{i}: {_REASONING_FIRST}")
+            message["reasoning_content"], reasoning = reasoning, None
         if not messages or messages[-1] is not message:
             messages.append(message)
     if reasoning is not None:
-        raise ValueError("input: a reasoning item must come before its assistant turn "
-                         "(a message or function_call)")
+        raise ValueError(f"input: {_REASONING_FIRST}")
     return messages
+
+
+def item_message(item: dict[str, Any], i: int, messages: list[dict[str, Any]],
+                 reasoning: str | None) -> dict[str, Any]:
+    """The chat message of input item ``i`` (a function call: the turn it joins)."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        return {"role": item.get("role"), "content": message_text(item.get("content"), i)}
+    if kind == "function_call":
+        message = assistant_turn(messages, reasoning)
+        message.setdefault("tool_calls", []).append({
+            "id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}})
+        return message
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item.get("call_id"),
+                "content": message_text(item.get("output"), i, "output")}
+    if kind == "item_reference":
+        raise ValueError(f"input.{i}: item_reference: {_STATELESS}")
+    raise ValueError(f"input.{i}.type: {shown(kind)} items are not supported (text messages, "
+                     "function_call, function_call_output and reasoning are)")
 
 
 def assistant_turn(messages: list[dict[str, Any]], reasoning: str | None) -> dict[str, Any]:
@@ -147,7 +153,7 @@ def message_text(content: Any, i: int, field: str = "content") -> str | None:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise ValueError(f"input.{i}.{field}.{j}.type: {kind!r} parts are not supported "
+            raise ValueError(f"input.{i}.{field}.{j}.type: {shown(kind)} parts are not supported "
                              "(cadence serves text models: input_text and output_text)")
         texts.append(part.get("text") or "")
     return "".join(texts)
@@ -160,7 +166,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     converted = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise ValueError(f"tools.{i}.type: {tool.get('type')!r} tools are not supported "
+            raise ValueError(f"tools.{i}.type: {shown(tool.get('type'))} tools are not supported "
                              "(function tools are)")
         converted.append({"type": "function", "function": {
             key: value for key, value in tool.items() if key != "type" and value is not None}})
@@ -171,7 +177,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") != "function":
-        raise ValueError(f"tool_choice: {choice.get('type')!r} choices are not supported "
+        raise ValueError(f"tool_choice: {shown(choice.get('type'))} choices are not supported "
                          '(none, auto, required or {"type": "function", "name": ...})')
     return {"type": "function", "function": {"name": choice.get("name")}}
 
@@ -190,6 +196,11 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------- response: chat -> output items
+
+
+def shown(value: Any) -> str:
+    """A value of the request as an error quotes it (at most 100 characters)."""
+    return quoted(repr(value))
 
 
 def new_id(prefix: str) -> str:

@@ -145,6 +145,7 @@ def test_stream_incomplete_and_function_call(client):
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stateless"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function tools"),
+    ({"tools": [{"type": "x" * 500}]}, "tools.0.type", "(502 characters)"),  # quoted, not whole
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0.type", "text"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "stateless"),
