@@ -9,6 +9,7 @@ reasoning deltas as a thinking block through the client's own accumulator
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -17,7 +18,7 @@ import openai
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
-from cadence.server.messages import MessageEvents, chat_messages
+from cadence.server.messages import MessageEvents, chat_messages, message_events
 from tests.server.serverlib import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -215,3 +216,20 @@ def test_reasoning_deltas_become_a_thinking_block_the_client_reads():
     assert snapshot.content[0].thinking == "Thinking." and snapshot.content[1].text == "Hello"
     assert snapshot.stop_reason == "end_turn"
     assert (snapshot.usage.input_tokens, snapshot.usage.output_tokens) == (5, 4)
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    """The chat path's error chunk (an engine failure mid-stream) ends the
+    translated stream with Anthropic's error event, which the client raises."""
+    async def chunks():
+        yield {"choices": [{"delta": {"content": "Hel"}, "finish_reason": None}]}
+        yield {"error": {"message": "generation failed: the engine died", "code": 500}}
+
+    async def read():
+        return [e async for e in message_events(MessageEvents("msg_1", MODEL, None), chunks())]
+
+    events = asyncio.run(read())
+    assert events[-1].startswith("event: error\n")
+    assert json.loads(events[-1].split("data: ", 1)[1]) == {
+        "type": "error", "error": {"type": "api_error", "message": "generation failed: the engine died"}}
+    assert not any(e.startswith("event: message_stop") for e in events)

@@ -18,7 +18,7 @@ from openai._models import construct_type
 
 from cadence.server.formatting import SSE_DONE, sse
 from cadence.server.responses import (
-    ResponseEvents, ResponseHead, ResponsesRequest, chat_chunks, input_messages,
+    ResponseEvents, ResponseHead, ResponsesRequest, chat_chunks, input_messages, response_events,
 )
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -228,3 +228,20 @@ def test_chat_chunks_read_any_text_and_close_the_chat_stream():
     chunks = asyncio.run(read())
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a\u2028b\x85c", "d"]
     assert closed == [True]
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    """The chat path's error chunk ends the stream with the Responses ``error`` event."""
+    async def chunks():
+        yield {"choices": [{"delta": {"content": "Hel"}, "finish_reason": None}]}
+        yield {"error": {"message": "generation failed: the engine died", "type": "server_error"}}
+
+    async def read():
+        head = ResponseHead(ResponsesRequest(input="Hi"), MODEL)
+        return [e async for e in response_events(head, chunks())]
+
+    events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(read())]
+    error = construct_type(type_=ResponseStreamEvent, value=events[-1])
+    assert error.type == "error" and error.message == "generation failed: the engine died"
+    assert error.sequence_number == len(events) - 1
+    assert "response.completed" not in [e["type"] for e in events]
