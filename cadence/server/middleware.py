@@ -3,7 +3,7 @@
     BodyLimitMiddleware  a body over --max-request-body-bytes gets 413 while it arrives, one
                          slower than --request-body-timeout 408
     GateMiddleware       counts the requests in flight; while the server drains, new ones get 503
-    ApiKeyMiddleware     with --api-key: no ``Authorization: Bearer <key>``, 401
+    ApiKeyMiddleware     with --api-key: no ``Authorization: Bearer <key>`` (or X-Api-Key), 401
 
 They are plain ASGI (no ``BaseHTTPMiddleware``): a refused request costs a
 header check, a streamed response passes through untouched, and a body is
@@ -101,7 +101,8 @@ class GateMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Every route but the open ones needs ``Authorization: Bearer <api_key>``.
+    """Every route but the open ones needs ``Authorization: Bearer <api_key>``
+    (or ``X-Api-Key: <api_key>``, the header Anthropic's clients send).
 
     Deny by default: /v1/*, /tokenize, /detokenize, /reset_prefix_cache,
     /docs, /openapi.json and any path added later are protected; /health
@@ -117,12 +118,24 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths or self._allowed(scope):
             return await self.app(scope, receive, send)
-        await _answer(scope, receive, send, 401, invalid_api_key_body(),
-                      headers={"WWW-Authenticate": "Bearer"})
+        body = (anthropic_invalid_api_key_body() if scope["path"].startswith("/v1/messages")
+                else invalid_api_key_body())
+        await _answer(scope, receive, send, 401, body, headers={"WWW-Authenticate": "Bearer"})
 
     def _allowed(self, scope: Scope) -> bool:
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return True
+        key = _header(scope, b"x-api-key")
+        return key is not None and hmac.compare_digest(key.strip(), self.expected)
+
+
+def anthropic_invalid_api_key_body() -> dict[str, Any]:
+    """The same refusal in Anthropic's shape, for /v1/messages."""
+    return {"type": "error", "error": {
+        "type": "authentication_error",
+        "message": "Incorrect or missing API key: send 'X-Api-Key: <key>' (or 'Authorization: "
+                   "Bearer <key>') with the key the server was started with (--api-key)."}}
 
 
 def invalid_api_key_body() -> dict[str, Any]:

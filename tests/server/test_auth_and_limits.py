@@ -217,3 +217,24 @@ def test_api_key_from_the_environment(monkeypatch):
     assert server_config_from_args(parser.parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
     monkeypatch.delenv("CADENCE_API_KEY")
     assert server_config_from_args(parser.parse_args(["serve"])).api_key is None
+
+
+def test_anthropics_x_api_key_header_is_accepted_and_its_401_is_anthropics(server):
+    """Anthropic's clients send the key as X-Api-Key; a refusal on /v1/messages
+    comes in Anthropic's error shape (the client raises AuthenticationError)."""
+    import anthropic
+
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    served = httpx.post(f"{server.base_url}/v1/messages", json=body, headers={"X-Api-Key": KEY},
+                        timeout=60)
+    assert served.status_code == 200, served.text
+    assert httpx.get(f"{server.base_url}/v1/models", headers={"X-Api-Key": KEY}, timeout=30).status_code == 200
+    refused = httpx.post(f"{server.base_url}/v1/messages", json=body, headers={"X-Api-Key": "sk-wrong"},
+                         timeout=30)
+    assert refused.status_code == 401
+    assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "authentication_error"
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        client.messages.create(**body)
+    assert anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0) \
+        .messages.create(**body).content
