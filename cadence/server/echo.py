@@ -24,9 +24,11 @@ class PromptEcho:
     and ``prompt_logprobs``; nothing when the request asks neither."""
 
     def __init__(self, tokenizer: Tokenizer, echo: bool, logprobs: int | None,
-                 prompt_logprobs: int | None) -> None:
+                 prompt_logprobs: int | None, echo_only: bool = False) -> None:
+        """``echo_only``: the completion (one token the engine had to make) is not shown."""
         self.tokenizer = tokenizer
         self.echo = echo
+        self.echo_only = echo_only
         self.num_top = logprobs  # None: the completion has no logprobs object
         self.prompt_logprobs = prompt_logprobs
 
@@ -48,6 +50,9 @@ class PromptEcho:
                      logprobs: dict[str, Any] | None) -> dict[str, Any]:
         """A choice's first text and logprobs with the prompt before them, and its
         ``prompt_logprobs`` if asked."""
+        if self.echo_only:
+            text = ""
+            logprobs = None if logprobs is None else {key: [] for key in logprobs}
         choice: dict[str, Any] = {"text": self.text(output) + text, "logprobs": logprobs}
         if self.echo and logprobs is not None and self.num_top is not None:
             echoed = self._echo_logprobs(output)

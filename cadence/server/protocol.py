@@ -203,9 +203,17 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs}")
         constraint = self.constraint()
-        params = self._sampling_params(self.max_tokens, self.logprobs,
+        # echo with max_tokens 0 scores the prompt only (as vLLM): one token is
+        # generated, for the engine's sake, and not shown.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        params = self._sampling_params(max_tokens, self.logprobs,
                                        constraint[1] if constraint else None)
         return params.replace(prompt_logprobs=self.num_prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt echoed and nothing generated (``echo`` with ``max_tokens`` 0)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def num_prompt_logprobs(self) -> int | None:

@@ -124,7 +124,8 @@ class OpenAIServing:
 
     def _prompt_echo(self, body: CompletionRequest) -> PromptEcho:
         assert self.llm.tokenizer is not None
-        return PromptEcho(self.llm.tokenizer, body.echo, body.logprobs, body.prompt_logprobs)
+        return PromptEcho(self.llm.tokenizer, body.echo, body.logprobs, body.prompt_logprobs,
+                          body.echo_only)
 
     async def _completion_chunks(self, request_id: str, created: int, streams: list[RequestStream],
                                  n: int, include_usage: bool, model: str,

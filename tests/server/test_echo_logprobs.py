@@ -99,3 +99,17 @@ def test_a_cached_prompt_is_scored_whole(client):
                                        logprobs=0)
     assert echoed.usage.prompt_tokens_details is None  # no hit: every position computed
     assert all(v is not None for v in echoed.choices[0].logprobs.token_logprobs[1:])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, client):
+    ids = prompt_ids(server)
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True,
+                                             logprobs=1, stream=stream)
+        chunks = list(response) if stream else [response]
+        choices = [c.choices[0] for c in chunks if c.choices]
+        assert "".join(c.text for c in choices) == PROMPT
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+        assert len(tokens) == len(ids) and "".join(tokens) == PROMPT
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)  # no echo: nothing asked
