@@ -193,8 +193,11 @@ def test_scheduler_forces_the_close_in_every_mode(mode):
         s.add_request(thinking_request(f"r{i}", 4, max_tokens=16, **params))
     runner = MaskedRunner(block_size=s.block_size, check_kv=True, **runner_kwargs)
     preempted: set[str] = set()
+    scheduled: list[bool] = []  # whether r0 was in each step
     if mode == "async":
-        outputs = run_pipelined(s, runner)
+        outputs = run_pipelined(s, runner, on_schedule=lambda so: scheduled.append("r0" in so.num_scheduled_tokens))
+        # While it thinks under its budget, its next mask is known: steps overlap.
+        assert sum(a and b for a, b in zip(scheduled, scheduled[1:])) >= 2
     else:
         outputs = run_until_done(s, runner, on_step=lambda so: preempted.update(so.preempted_req_ids))
     finished = {req_id: output_tokens(outs) for req_id, outs in outputs.items() if outs}

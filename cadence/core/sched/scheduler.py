@@ -56,6 +56,7 @@ from cadence.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from cadence.core.sched.prefill_caps import is_prefilling
 from cadence.core.sched.policy import configured_policy
 from cadence.core.sched.step import StepPlan
+from cadence.core.sched.structured_output import can_fill_ahead
 
 if TYPE_CHECKING:
     from cadence.core.kv_cache.block_pool import KVCacheEvent
@@ -282,11 +283,12 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
             num_new = min(num_new, request.fork_point - request.num_computed_tokens)
         if request.num_output_placeholders:
             # Async: the tokens in flight may already reach max_tokens; and a
-            # grammar's mask needs the token in flight, so it waits for it.
+            # grammar's mask needs the token in flight, so it waits for it
+            # (a thinking budget's mask while it thinks does not: can_fill_ahead).
             if request.max_tokens is not None and \
                     request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
                 return 0
-            if request.structured_output_request is not None:
+            if request.structured_output_request is not None and not can_fill_ahead(request):
                 return 0
         return num_new
 

@@ -180,6 +180,13 @@ class StructuredOutputManager:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def can_fill_ahead(request: Request) -> bool:
+    """Whether the request's next mask is known before its tokens in flight
+    come back (async scheduling); only a thinking budget's may be."""
+    grammar = request.structured_output_request.grammar
+    return isinstance(grammar, ThinkingBudget) and grammar.can_fill_ahead(request.num_output_placeholders)
+
+
 def _guarded(request: Request, fill: Any, *args: Any) -> None:
     """``fill(*args)``; a failure inside the grammar library fails ``request``'s grammar."""
     try:

@@ -102,6 +102,14 @@ class ThinkingBudget:
     def is_terminated(self) -> bool:
         return self.phase is Phase.ANSWER and self.answer is not None and self.answer.is_terminated()
 
+    def can_fill_ahead(self, num_in_flight: int) -> bool:
+        """Whether the mask after ``num_in_flight`` tokens not yet seen is
+        known now (async scheduling need not wait for them): still thinking
+        after them, or answering freely (a model that closes itself has no
+        grammar to hand over to), and the budget not reached by them."""
+        return (self.phase is Phase.THINKING and self.answer is None
+                and self.num_thinking + num_in_flight < self.budget)
+
     # ---- internals ------------------------------------------------------
 
     def _accept_one(self, request_id: str, token: int) -> bool:
