@@ -138,6 +138,9 @@ class FakeRunner(RunnerBase):
         self.computed: dict[str, int] = {}
         self.block_ids: dict[str, list[int]] = {}
         self.num_sampled: dict[str, int] = {}  # tokens sampled per request, ever
+        # Pooling requests: they sample nothing; the step that computes their
+        # prompt's last token answers their "pooled state", [prompt length].
+        self.pooling: set[str] = set()
         self.num_steps = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -150,7 +153,9 @@ class FakeRunner(RunnerBase):
         req_ids = list(scheduled)
         if self.shadow_kv is not None:
             self._check_kv(scheduled, drafts)
-        sampled = [self._run_one(req_id, scheduled[req_id], drafts.get(req_id, ())) for req_id in req_ids]
+        pooled = [self._pool_one(r, scheduled[r]) if r in self.pooling else None for r in req_ids]
+        sampled = [[] if r in self.pooling else self._run_one(r, scheduled[r], drafts.get(r, ()))
+                   for r in req_ids]
         proposed = None
         if self.draft_fn is not None:  # drafts for the next step, from the tokens known now
             proposed = [self.draft_fn(req_id, self.tokens[req_id]) for req_id in req_ids]
@@ -159,7 +164,16 @@ class FakeRunner(RunnerBase):
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
             spec_token_ids=proposed,
+            pooler_output=pooled if self.pooling else [],
         )
+
+    def _pool_one(self, req_id: str, num_scheduled: int) -> list[float] | None:
+        """A pooling request's step: its "pooled state" once its prompt is computed."""
+        tokens = self.tokens[req_id]
+        end = self.computed[req_id] + num_scheduled
+        assert end <= len(tokens), f"{req_id}: a pooling request scheduled past its prompt"
+        self.computed[req_id] = end
+        return [float(len(tokens))] if end == len(tokens) else None
 
     def execute(
         self, scheduler_output: SchedulerOutput, kv_connector_output: KVConnectorOutput | None = None
@@ -172,6 +186,7 @@ class FakeRunner(RunnerBase):
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
+            self.pooling.discard(req_id)
             self.tokens.pop(req_id, None)
             self.computed.pop(req_id, None)
             self.block_ids.pop(req_id, None)
@@ -179,6 +194,8 @@ class FakeRunner(RunnerBase):
             self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
             self.block_ids[new.req_id] = list(new.block_ids)
+            if new.sampling_params.pooling is not None:
+                self.pooling.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:

@@ -79,3 +79,34 @@ def test_prefix_cache_hits_only_for_last_token_pooling():
     so = s.schedule()
     # A full hit but for the last block: its last token is computed again.
     assert so.num_scheduled_tokens == {"last": 4, "mean": 12}
+
+
+def test_mixed_with_generation_the_kv_reads_stay_right():
+    """Pooling (last and mean) and generation over shared prefixes, chunked, with
+    prefix hits and preemptions (few blocks): the fake runner's shadow KV checks
+    every read, pooled requests finish once with their state, the others'
+    streams are what they are alone, and every block comes back."""
+    from cadence.core.testing import greedy_stream
+    from tests.core.fakes import FakeRunner, run_until_done
+
+    s = new_scheduler(max_num_batched_tokens=12, block_size=4, num_gpu_blocks=9,
+                      enable_prefix_caching=True)
+    shared = prompt_of("shared", 9)
+    prompts = {}
+    for i in range(12):
+        req_id = f"r{i}"
+        prompts[req_id] = shared + prompt_of(req_id, 3 + i % 5)
+        if i % 3 == 0:
+            s.add_request(new_request(req_id, prompts[req_id], max_tokens=10))
+        else:
+            s.add_request(pooling_request(req_id, prompts[req_id], "last" if i % 3 == 1 else "mean"))
+    outputs = run_until_done(s, FakeRunner(block_size=4, check_kv=True))
+    for req_id, prompt in prompts.items():
+        outs = outputs[req_id]
+        if int(req_id[1:]) % 3 == 0:
+            tokens = [t for o in outs for t in o.new_token_ids]
+            assert tokens == greedy_stream(prompt, 10, req_id=req_id)
+        else:
+            assert [o.pooled for o in outs if o.pooled is not None] == [[float(len(prompt))]]
+            assert outs[-1].finish_reason == FinishReason.STOP
+    assert s.num_preemptions_total > 0 and all_blocks_free(s)
