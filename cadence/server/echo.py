@@ -61,6 +61,12 @@ class PromptEcho:
             choice["prompt_logprobs"] = prompt_logprobs_json(output)
         return choice
 
+    def usage(self, counts: dict[str, Any]) -> dict[str, Any]:
+        """The usage object: no completion tokens where none is shown (``echo_only``)."""
+        if self.echo_only:
+            counts = {**counts, "completion_tokens": 0, "total_tokens": counts["prompt_tokens"]}
+        return counts
+
     def _echo_logprobs(self, output: RequestOutput) -> dict[str, Any]:
         """The prompt's part of the legacy logprobs object."""
         rows = output.prompt_logprobs or []

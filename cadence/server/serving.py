@@ -105,7 +105,7 @@ class OpenAIServing:
                 })
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage(finals),
+            "model": model, "choices": choices, "usage": echo.usage(usage(finals)),
             **kv_transfer_answer(finals),
         })
 
@@ -159,7 +159,7 @@ class OpenAIServing:
                           "stop_reason": c.stop_reason if c.finished else None}
                 yield sse({**head, "choices": [choice], **extra})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(list(finals.values()))})
+            yield sse({**head, "choices": [], "usage": echo.usage(usage(list(finals.values())))})
         yield SSE_DONE
 
     # ------------------------------------------------------------ chat

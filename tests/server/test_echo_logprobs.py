@@ -111,5 +111,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, client):
         assert "".join(c.text for c in choices) == PROMPT
         tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
         assert len(tokens) == len(ids) and "".join(tokens) == PROMPT
+        if not stream:
+            assert response.usage.completion_tokens == 0
+            assert response.usage.total_tokens == response.usage.prompt_tokens == len(ids)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)  # no echo: nothing asked
