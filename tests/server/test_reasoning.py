@@ -172,3 +172,17 @@ def test_budget_holds_with_speculation_and_async_preemption(make_server, templat
         assert_budget_kept([t.token for t in answer.choices[0].logprobs.content], 5)
         assert answer.usage.completion_tokens_details.reasoning_tokens == 5
     assert server.metrics()["cadence:num_preemptions_total"] > 0
+
+
+def test_a_forced_tool_call_follows_the_thinking_and_the_thinking_is_no_call(server):
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                              "required": ["city"]}}}
+    answer = client_of(server).chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=60, tools=[tool], tool_choice="required",
+        extra_body={"thinking_token_budget": 4})
+    message = answer.choices[0].message.model_dump()
+    assert message["reasoning"] and "<tool_call>" not in message["reasoning"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert "city" in json.loads(message["tool_calls"][0]["function"]["arguments"])
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 4
