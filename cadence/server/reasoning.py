@@ -83,7 +83,10 @@ class ReasoningSplitter:
 
     def __init__(self, fmt: ReasoningFormat, starts_inside: bool) -> None:
         self.fmt = fmt
-        self.phase = "thinking" if starts_inside else "opening"
+        # "opening": the output may yet open with the start tag, which is
+        # dropped (a prompt that opened it already, or not, as R1's older template).
+        self.phase = "opening"
+        self._starts_inside = starts_inside
         self._held = ""  # text that may begin a tag, not yet given out
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
@@ -98,7 +101,7 @@ class ReasoningSplitter:
                 self._held = text  # may yet be the opening tag
                 return "", ""
             else:
-                self.phase = "answer"
+                self.phase = "thinking" if self._starts_inside else "answer"
         if self.phase == "thinking":
             end = text.find(self.fmt.end)
             if end >= 0:
@@ -109,10 +112,6 @@ class ReasoningSplitter:
                 return reasoning, ""
         content = text
         return reasoning, content
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self.phase != "answer"
 
 
 def split_reasoning(fmt: ReasoningFormat, starts_inside: bool, text: str) -> tuple[str | None, str | None]:
