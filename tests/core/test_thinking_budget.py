@@ -13,7 +13,7 @@ from tests.core.fakes import FakeRunner, greedy_token, new_request, new_schedule
 
 from cadence.config import SpeculativeConfig
 from cadence.core.sched.structured_output import StructuredOutputManager
-from cadence.core.sched.thinking import Phase, ThinkingBudget
+from cadence.core.sched.thinking import MAX_ROLLBACK, Phase, ThinkingBudget
 from cadence.sampling_params import SamplingParams, ThinkingTokens
 
 VOCAB = 1024
@@ -115,6 +115,14 @@ def test_rollback_and_validate_cross_the_phases():
     assert budget.accept_tokens("r", tokens)
     budget.rollback(4)
     assert (budget.phase, budget.num_thinking, budget.num_forced, grammar.pos) == (Phase.CLOSING, 2, 1, 0)
+
+
+def test_a_long_thinking_keeps_a_bounded_history():
+    budget = ThinkingBudget(10_000, THINK_OPEN)
+    assert budget.accept_tokens("r", [20] * 5000)
+    assert len(budget._history) <= 2 * MAX_ROLLBACK and budget.num_thinking == 5000
+    budget.rollback(MAX_ROLLBACK)
+    assert budget.num_thinking == 5000 - MAX_ROLLBACK
 
 
 # ---- the scheduler -----------------------------------------------------

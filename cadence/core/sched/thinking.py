@@ -31,6 +31,10 @@ from typing import Any, NamedTuple
 
 from cadence.sampling_params import ThinkingTokens
 
+# Rollbacks undo drafts (at most the speculative tokens of a step), so only
+# the last tokens' states are kept: a long thinking costs no memory per token.
+MAX_ROLLBACK = 64
+
 
 class Phase(enum.Enum):
     OPENING = "opening"
@@ -78,6 +82,7 @@ class ThinkingBudget:
         return list(token_ids[:num_valid])
 
     def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` (at most ``MAX_ROLLBACK``) accepted tokens."""
         num_answer = 0
         for _ in range(num_tokens):
             state = self._history.pop()
@@ -136,6 +141,9 @@ class ThinkingBudget:
             before = before._replace(to_answer=self.answer is not None)
         self._history.append(before)
         self._accepted.append(token)
+        if len(self._history) > 2 * MAX_ROLLBACK:
+            del self._history[:-MAX_ROLLBACK]
+            del self._accepted[:-MAX_ROLLBACK]
         return True
 
     def _think(self, token: int) -> None:
