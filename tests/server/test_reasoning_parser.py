@@ -65,3 +65,13 @@ def test_reasoning_tokens_are_counted_before_the_close():
 def test_unknown_parser_is_refused_naming_the_option():
     with pytest.raises(ValueError, match="^reasoning_parser: must be one of qwen3, deepseek_r1"):
         reasoning_format("granite")
+
+
+def test_a_call_written_while_thinking_is_no_tool_call():
+    from cadence.server.tool_calls import HermesParser, parse_all
+
+    text = ('Maybe <tool_call>{"name": "f", "arguments": {}}</tool_call> would do.\n</think>\n\n'
+            '<tool_call>{"name": "g", "arguments": {"x": 1}}</tool_call>')
+    reasoning, content = split_reasoning(QWEN3, True, text)
+    _, calls = parse_all(HermesParser(), content)
+    assert [call.name for call in calls] == ["g"] and "<tool_call>" in reasoning
