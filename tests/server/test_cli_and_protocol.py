@@ -63,8 +63,11 @@ def test_completion_parameter_mapping():
     assert CompletionRequest(prompt=[5, 6]).prompts() == [[5, 6]]
     with pytest.raises(ValueError, match="^logprobs:"):
         CompletionRequest(prompt="x", logprobs=21).to_sampling_params()
-    with pytest.raises(ValueError, match="echo: not supported"):  # fields.py's rule
-        CompletionRequest(prompt="x", echo=True)
+    with pytest.raises(ValueError, match="suffix: not supported"):  # fields.py's rule
+        CompletionRequest(prompt="x", suffix="y")
+    echoed = CompletionRequest(prompt="x", echo=True, logprobs=2, prompt_logprobs=1).to_sampling_params()
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (2, 2)  # echo scores the prompt as logprobs asks
+    assert CompletionRequest(prompt="x", echo=True, max_tokens=0).to_sampling_params().max_tokens == 1
     assert CompletionRequest(prompt="x", cache_salt="s").to_sampling_params().cache_salt == "s"
 
 
