@@ -66,11 +66,16 @@ def assert_400(response: httpx.Response, param: str) -> str:
 # ------------------------------------------------------------------ one rule for fields
 
 
+from cadence.server.messages import CountTokensRequest, MessagesRequest  # noqa: E402
+from cadence.server.responses import ResponsesRequest  # noqa: E402
+
 BODIES = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
           "embeddings": EmbeddingRequest,
           "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest,
           "load_lora_adapter": LoadLoRAAdapterRequest,
-          "unload_lora_adapter": UnloadLoRAAdapterRequest}
+          "unload_lora_adapter": UnloadLoRAAdapterRequest,
+          "responses": ResponsesRequest, "messages": MessagesRequest,
+          "messages_count_tokens": CountTokensRequest}
 
 
 def test_every_route_with_a_body_follows_the_rule_and_the_readme_lists_its_fields():
