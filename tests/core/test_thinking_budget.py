@@ -231,3 +231,10 @@ def test_the_budget_field_is_checked():
         SamplingParams(thinking_token_budget=-1, thinking=THINK_OPEN)
     with pytest.raises(ValueError, match="^thinking_token_budget:.*reasoning-parser"):
         SamplingParams(thinking_token_budget=4)
+
+
+def test_an_engine_without_a_grammar_backend_names_the_budget_field():
+    scheduler = new_scheduler()  # no tokenizer, so no grammar backend
+    with pytest.raises(ValueError, match=r"^thinking_token_budget: this engine has no grammar backend"):
+        scheduler.add_request(thinking_request("r", 4))
+    assert not scheduler.has_requests()

@@ -91,7 +91,10 @@ class RequestLifecycle:
                 f"within max_model_len={self.max_model_len}"
             )
         if request.use_structured_output and self.structured_output_manager is None:
-            raise ValueError("structured_outputs: this engine has no grammar backend")
+            field = ("structured_outputs" if request.sampling_params.structured_outputs is not None
+                     else "thinking_token_budget")
+            raise ValueError(f"{field}: this engine has no grammar backend (it has no tokenizer: "
+                             "token-id prompts only)")
         if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_scheduled_tokens:
             # It would wait forever, and (the queue stops behind it) so would everyone after it.
             raise ValueError(
