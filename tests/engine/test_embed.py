@@ -107,3 +107,19 @@ def test_pooling_refuses_sampling_fields():
             SamplingParams(pooling=PoolingParams(), **{field: value})
     with pytest.raises(ValueError, match="^pooling: type"):
         PoolingParams(type="cls")
+
+
+def test_the_model_chooses_the_pooling():
+    from cadence.models.config import ModelConfig
+    from cadence.sampling_params import embedding_params
+
+    metadata = dict(read_gguf(default_model_path())[1])
+    arch = metadata["general.architecture"]
+    assert ModelConfig.from_gguf_metadata(metadata, tie_word_embeddings=True).pooling_type is None
+    for value, expected in ((1, "mean"), (3, "last"), (2, None)):  # llama.cpp's mean, last, cls
+        metadata[f"{arch}.pooling_type"] = value
+        config = ModelConfig.from_gguf_metadata(metadata, tie_word_embeddings=True)
+        assert config.pooling_type == expected
+    assert embedding_params(None, "mean").pooling.type == "mean"
+    assert embedding_params(None, None).pooling.type == "last"
+    assert embedding_params(PoolingParams(type="last"), "mean").pooling.type == "last"
