@@ -166,6 +166,18 @@ def test_swapped_requests_come_back_under_any_queue_order(model, crowd_expected,
     assert_nothing_leaked(engine, CROWD_POOL)
 
 
+def test_with_prefix_caching_off_the_tier_serves_no_prefix(model, prefixed_expected):
+    """Prefix caching off means no request reuses another's KV: the tier saves
+    nothing and finds nothing for the prompts that share a prefix (it serves
+    swaps only, below)."""
+    engine = build(model, num_gpu_blocks=16, kv_offload_size=TIER_GIB, enable_prefix_caching=False)
+    assert one_by_one_with_floods(engine) == prefixed_expected
+    worker = engine.core.runner.kv_connector
+    assert worker.num_blocks_saved == 0 and worker.num_blocks_loaded == 0
+    assert engine.core.scheduler.get_kv_connector().num_hit_tokens == 0
+    assert_nothing_leaked(engine, 16)
+
+
 def test_swap_with_prefix_caching_off_copies_partial_blocks(model, crowd_expected):
     engine = crowded(model, kv_offload_size=TIER_GIB, preemption_mode="swap",
                      enable_prefix_caching=False)

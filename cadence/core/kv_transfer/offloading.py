@@ -4,6 +4,8 @@ prefix cache, and swap preemption.
 - Saves (write-through): every full block a step computes is copied, after
   the forward, to a tier slot keyed by the block's hash, unless the tier
   already holds that hash. The tier evicts its least recently used blocks.
+  With prefix caching off there are no saves and no tier hits: the tier
+  holds swapped requests' own KV only.
 - Tier hits: a prompt's blocks beyond the local prefix hits that the tier
   holds are loaded instead of computed. The load is asynchronous for the
   scheduler (the request waits in WAITING_FOR_REMOTE_KVS, usually one step),
@@ -88,6 +90,7 @@ class OffloadingConnector(KVConnectorBase):
         self.mode = context.preemption_mode
         self.tier = HostTier(tier_num_slots(config.kv_offload_size, context.bytes_per_block))
         self.kv: KVCacheManager | None = None
+        self.shares_prefixes = True  # set from the KV cache manager when bound
         self._requests: dict[str, Request] = {}  # admitted, not finished
         self._num_checked_blocks: dict[str, int] = {}  # req_id -> full blocks saved or found
         self._swapped: dict[str, SwappedKV] = {}
@@ -103,6 +106,9 @@ class OffloadingConnector(KVConnectorBase):
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self.kv = kv_cache_manager
+        # With prefix caching off no request reuses another's KV: the tier then
+        # only holds swapped requests' own KV (no write-through saves, no hits).
+        self.shares_prefixes = kv_cache_manager.enable_caching
 
     # ---- tier hits and swaps coming back -------------------------------
 
@@ -113,8 +119,8 @@ class OffloadingConnector(KVConnectorBase):
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
             return self._match_swapped(request, swapped, first)
-        if request.sampling_params.needs_every_prompt_position:
-            return 0, False  # every prompt position is computed for its logprobs
+        if not self.shares_prefixes or request.sampling_params.needs_every_prompt_position:
+            return 0, False  # prefix caching off; or every prompt position is computed for its logprobs
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.kv.block_hashes_of(request, max_blocks)
         slots = []
@@ -135,7 +141,7 @@ class OffloadingConnector(KVConnectorBase):
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
             return min(swapped.num_tokens, request.num_tokens - 1) > first * self.block_size
-        if request.sampling_params.needs_every_prompt_position:
+        if not self.shares_prefixes or request.sampling_params.needs_every_prompt_position:
             return False
         if first >= (request.num_tokens - 1) // self.block_size:
             return False
@@ -263,6 +269,8 @@ class OffloadingConnector(KVConnectorBase):
         return meta
 
     def _plan_saves(self, num_scheduled_tokens: dict[str, int]) -> None:
+        if not self.shares_prefixes:
+            return  # saves only ever serve prefix hits
         tier, saves, checked = self.tier, self._meta.saves, self._num_checked_blocks
         for req_id, num_new in num_scheduled_tokens.items():
             request = self._requests.get(req_id)
