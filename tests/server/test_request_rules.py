@@ -364,3 +364,18 @@ def test_unknown_field_names_are_logged_once_each_and_boundedly(caplog, monkeypa
     assert len(caplog.records) == fields.MAX_LOGGED_UNKNOWN_FIELDS + 1  # the last says so
     assert "further ones are ignored" in caplog.records[-1].getMessage()
     assert max(len(r.getMessage()) for r in caplog.records) < 400
+
+
+def test_the_readme_lists_every_route_the_server_serves():
+    from fastapi.routing import APIRoute
+
+    from cadence.config import EngineOptions
+    from cadence.server.api import build_app
+    from cadence.server.config import ServerConfig
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## The HTTP API", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(?:GET|POST) (/[\w/]+)`", section))
+    served = {route.path for route in build_app(ServerConfig(allow_runtime_lora_updating=True), EngineOptions.from_kwargs(enable_lora=True)).routes
+              if isinstance(route, APIRoute) and not route.path.startswith(("/docs", "/openapi", "/redoc"))}
+    assert served == listed
