@@ -70,3 +70,16 @@ def test_the_bound_is_an_lpm_option():
         new_scheduler(policy="fcfs", lpm_max_bypass=4)
     with pytest.raises(ValueError, match=r"^lpm_max_bypass: must be >= 0"):
         new_scheduler(policy="lpm", lpm_max_bypass=-1)
+
+
+def test_a_passed_request_ages_and_one_nearly_as_hot_goes_before_the_bound():
+    # bound 4: each bypass adds 32 // 4 = 8 tokens. "half" (16 cached) ties the hits'
+    # 32 after two bypasses and goes (ties: the earlier one); "cold" reaches the bound.
+    s = new_scheduler(policy="lpm", lpm_max_bypass=4, max_num_seqs=1, num_gpu_blocks=128)
+    warm(s)
+    s.add_request(new_request("cold", 30, max_tokens=2))
+    s.add_request(new_request("half", SHARED[:16] + prompt_of("x", 10), max_tokens=2))
+    for i in range(6):
+        s.add_request(new_request(f"hit{i}", SHARED + prompt_of(f"h{i}", 6), max_tokens=2))
+    order = admitted_order(s)
+    assert order[:5] == ["hit0", "hit1", "half", "hit2", "cold"]
