@@ -354,8 +354,8 @@ def main() -> int:
         for seed in range(args.seeds):
             result = run_profile(name, seed, labels, log=log)
             document["results"].append(result)
-            print(markdown(result, PROFILES[name].cost_model) + f"\n\n(simulated in {result['wall_s']:.0f} s)\n",
-                  flush=True)
+            cost_model = PROFILES[name].cost_model.replace(f"{CPU_CALIBRATION.parent.parent.parent}/", "")
+            print(markdown(result, cost_model) + f"\n\n(simulated in {result['wall_s']:.0f} s)\n", flush=True)
     if document["results"]:
         print(summary_markdown(document["results"], labels))
         print(f"\n(all simulations: {time.perf_counter() - start:.0f} s)\n", flush=True)
