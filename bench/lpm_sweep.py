@@ -33,8 +33,8 @@ clock); the calibrated profile simulates the same trace beside it, so the
 two rankings can be compared. A short run needs a smaller cache and a
 higher rate than the sweep for the policies to part (``REAL_*`` below).
 Real timings need a quiet machine: ``--wait-quiet S`` waits up to S seconds
-for a 1-minute load average under 1.5, and the load average is printed
-before and after.
+for a 1-minute load average under 1.5 (and skips the real runs if it never
+falls); the load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -303,11 +303,13 @@ def real_runs(rate: float, num_requests: int, num_blocks: int, seed: int, num_th
     return result
 
 
-def _wait_quiet(max_wait_s: float, log) -> None:
+def _wait_quiet(max_wait_s: float, log) -> bool:
+    """Whether the load average fell under QUIET_LOAD within ``max_wait_s``."""
     deadline = time.monotonic() + max_wait_s
     while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() < deadline:
         time.sleep(10)
     log(f"load average {os.getloadavg()[0]:.2f} (quiet: under {QUIET_LOAD})")
+    return os.getloadavg()[0] < QUIET_LOAD
 
 
 def real_markdown(result: dict[str, Any]) -> str:
@@ -338,7 +340,8 @@ def main() -> int:
     parser.add_argument("--real-blocks", type=int, default=REAL_KV_BLOCKS,
                         help=f"its KV blocks of 16 tokens (default {REAL_KV_BLOCKS})")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                        help=f"before the real runs, wait up to S seconds for a load average under {QUIET_LOAD}")
+                        help=f"before the real runs, wait up to S seconds for a load average under "
+                             f"{QUIET_LOAD}, and skip them if it never falls (default 0: run at once)")
     parser.add_argument("--num-threads", type=int, default=2, help="the real engine's torch threads (default 2, "
                                                                      "as the CPU profile was calibrated)")
     args = parser.parse_args()
@@ -359,8 +362,10 @@ def main() -> int:
     if document["results"]:
         print(summary_markdown(document["results"], labels))
         print(f"\n(all simulations: {time.perf_counter() - start:.0f} s)\n", flush=True)
-    if args.real:
-        _wait_quiet(args.wait_quiet, log)
+    if args.real and args.wait_quiet and not _wait_quiet(args.wait_quiet, log):
+        print(f"the real runs were not taken: the load average stayed over {QUIET_LOAD} "
+              f"for {args.wait_quiet:.0f} s")
+    elif args.real:
         document["real"] = real = real_runs(args.real_rate, args.real_requests, args.real_blocks, 0,
                                             args.num_threads, ["fcfs", "lpm plain", PROPOSED], log=log)
         print(real_markdown(real))
