@@ -122,6 +122,8 @@ class HardwareProfile:
 PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100", peak_flops=989e12, mem_bandwidth=3.35e12, mem_capacity=80e9),
     "h200": HardwareProfile("h200", peak_flops=989e12, mem_bandwidth=4.8e12, mem_capacity=141e9),
+    # A100 80GB SXM (the PCIe card's HBM is 1.94e12 B/s); the H100's efficiencies.
+    "a100": HardwareProfile("a100", peak_flops=312e12, mem_bandwidth=2.0e12, mem_capacity=80e9),
     "cpu": HardwareProfile(
         "cpu", peak_flops=160e9, mem_bandwidth=22e9, mem_capacity=24e9,
         compute_efficiency=0.5, memory_efficiency=0.7, step_overhead_s=0.03,
@@ -417,7 +419,7 @@ def _curve_from_json(data: dict[str, Any] | None) -> TokenCurve | None:
 
 
 def make_cost_model(spec: str, model_config: str | None = None) -> CostModel:
-    """``roofline:h100|h200|cpu`` (with a model config) or ``calibrated:PATH``."""
+    """``roofline:h100|h200|a100|cpu`` (with a model config) or ``calibrated:PATH``."""
     kind, _, arg = spec.partition(":")
     if kind == "calibrated":
         if not arg:

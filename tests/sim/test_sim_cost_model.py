@@ -66,7 +66,7 @@ def test_llama_3_8b_on_h100():
 
 
 def test_profiles_and_specs():
-    assert set(PROFILES) == {"h100", "h200", "cpu"}
+    assert set(PROFILES) == {"h100", "h200", "a100", "cpu"}
     assert load_model_config("llama-3-8b") == LLAMA_3_8B
     with pytest.raises(ValueError, match="cost_model"):
         make_cost_model("roofline:tpu")
