@@ -342,8 +342,9 @@ def main() -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help=f"before the real runs, wait up to S seconds for a load average under "
                              f"{QUIET_LOAD}, and skip them if it never falls (default 0: run at once)")
-    parser.add_argument("--num-threads", type=int, default=2, help="the real engine's torch threads (default 2, "
-                                                                     "as the CPU profile was calibrated)")
+    parser.add_argument("--num-threads", type=int, default=1,
+                        help="the real engine's torch threads (default 1: two stall on every OpenMP barrier "
+                             "while another process holds a core; decode steps took 10x longer)")
     args = parser.parse_args()
 
     for bound in (int(b) for b in args.bounds.split(",") if b.strip()):
