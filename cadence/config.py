@@ -108,7 +108,8 @@ class SchedulerConfig:
     lpm_max_bypass: int | None = option(
         None, "With policy lpm: how many later requests may be admitted before a waiting one; "
               "then it goes first, whatever its cached prefix (the bound on waiting; default "
-              "16; a huge value leaves lpm unbounded, as SGLang ships it).",
+              "16; each bypass also ages it by 1/bound of the best cached score in the queue's "
+              "window; a huge value leaves lpm unbounded and unaged, as SGLang ships it).",
         policy="lpm"
     )
     async_scheduling: bool = option(
