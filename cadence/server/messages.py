@@ -39,6 +39,7 @@ from cadence.server.errors import (
 )
 from cadence.server.protocol import ChatCompletionRequest, RequestBody, refuse_lone_surrogates
 from cadence.server.responses import (
+    translated_events,
     chat_chunks, chat_json, chat_request, message_reasoning, new_id, open_chat_stream, served_name,
     shown, translated_stream,
 )
@@ -374,21 +375,6 @@ class MessageEvents:
         return [self.event("content_block_stop", index=self.num_blocks - 1)]
 
 
-async def message_events(events: MessageEvents, chunks: AsyncIterator[dict[str, Any]]
-                         ) -> AsyncIterator[str]:
-    for event in events.start():
-        yield event
-    async for chunk in chunks:
-        if "error" in chunk:
-            for event in events.error(chunk["error"]):
-                yield event
-            return
-        for event in events.take(chunk):
-            yield event
-    for event in events.end():
-        yield event
-
-
 # ---------------------------------------------------------------- errors and routes
 
 
@@ -480,7 +466,7 @@ async def create_message(serving: OpenAIServing, resolve: Callable[[str | None],
         return JSONResponse(whole_message(message_id, model, result, body.stop_sequences))
     response = await open_chat_stream(serving, chat, raw, lora_request, _RENAMES)
     events = MessageEvents(message_id, model, body.stop_sequences)
-    return translated_stream(message_events(events, chat_chunks(response)), response)
+    return translated_stream(translated_events(events, chat_chunks(response)), response)
 
 
 async def count_prompt_tokens(serving: OpenAIServing, body: CountTokensRequest) -> int:

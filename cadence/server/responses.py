@@ -338,7 +338,7 @@ class ResponseEvents:
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         return events
 
-    def finish(self) -> list[str]:
+    def end(self) -> list[str]:
         incomplete = self.finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
         events = self._close(status)
@@ -429,12 +429,14 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, resolve: Callable
             result = await chat_json(serving, chat, raw, lora_request, _RENAMES)
             return JSONResponse(whole_response(head, result))
         response = await open_chat_stream(serving, chat, raw, lora_request, _RENAMES)
-        return translated_stream(response_events(head, chat_chunks(response)), response)
+        return translated_stream(translated_events(ResponseEvents(head), chat_chunks(response)), response)
 
 
-async def response_events(head: ResponseHead, chunks: AsyncIterator[dict[str, Any]]
-                          ) -> AsyncIterator[str]:
-    events = ResponseEvents(head)
+async def translated_events(events: Any, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """An API's stream events from the chat stream's chunks: ``events`` (this
+    module's ``ResponseEvents`` or messages.py's ``MessageEvents``) gives the
+    opening events, the events of each chunk, those of an error (which ends
+    the stream) and the closing ones."""
     for event in events.start():
         yield event
     async for chunk in chunks:
@@ -444,7 +446,7 @@ async def response_events(head: ResponseHead, chunks: AsyncIterator[dict[str, An
             return
         for event in events.take(chunk):
             yield event
-    for event in events.finish():
+    for event in events.end():
         yield event
 
 

@@ -18,7 +18,8 @@ import openai
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
-from cadence.server.messages import MessageEvents, chat_messages, message_events
+from cadence.server.messages import MessageEvents, chat_messages
+from cadence.server.responses import translated_events
 from tests.server.serverlib import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -226,7 +227,7 @@ def test_a_failure_mid_stream_is_an_error_event():
         yield {"error": {"message": "generation failed: the engine died", "code": 500}}
 
     async def read():
-        return [e async for e in message_events(MessageEvents("msg_1", MODEL, None), chunks())]
+        return [e async for e in translated_events(MessageEvents("msg_1", MODEL, None), chunks())]
 
     events = asyncio.run(read())
     assert events[-1].startswith("event: error\n")

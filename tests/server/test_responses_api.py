@@ -18,7 +18,7 @@ from openai._models import construct_type
 
 from cadence.server.formatting import SSE_DONE, sse
 from cadence.server.responses import (
-    ResponseEvents, ResponseHead, ResponsesRequest, chat_chunks, input_messages, response_events,
+    ResponseEvents, ResponseHead, ResponsesRequest, chat_chunks, input_messages, translated_events,
 )
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -191,7 +191,7 @@ def test_reasoning_deltas_become_a_reasoning_item_the_client_reads():
               {"choices": [{"delta": {"content": "Hello"}, "finish_reason": "stop"}]},
               {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
                                         "completion_tokens_details": {"reasoning_tokens": 3}}}]
-    sse = events.start() + [e for chunk in chunks for e in events.take(chunk)] + events.finish()
+    sse = events.start() + [e for chunk in chunks for e in events.take(chunk)] + events.end()
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
     for text in sse:
         data = json.loads(text.split("data: ", 1)[1])
@@ -238,7 +238,7 @@ def test_a_failure_mid_stream_is_an_error_event():
 
     async def read():
         head = ResponseHead(ResponsesRequest(input="Hi"), MODEL)
-        return [e async for e in response_events(head, chunks())]
+        return [e async for e in translated_events(ResponseEvents(head), chunks())]
 
     events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(read())]
     error = construct_type(type_=ResponseStreamEvent, value=events[-1])
