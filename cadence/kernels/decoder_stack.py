@@ -17,8 +17,13 @@ from cadence.kernels import build
 
 _PTR, _I64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAX_PARTS = 3
-# The cache's element type, as the C side numbers it.
+# The cache's element type, the layers' norm placement, the MLP's activation,
+# the q/k norm and a layer's rotary tables, as the C side numbers them.
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+NORM_PLACEMENTS = {"pre": 0, "post": 1, "sandwich": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+QK_NORMS = {None: 0, "per_head": 1, "whole": 2}
+ROTARY_NONE, ROTARY_MAIN, ROTARY_SLIDING = 0, 1, 2
 
 
 class BlockMatrix(ctypes.Structure):
@@ -32,22 +37,25 @@ class DecoderLayer(ctypes.Structure):
 
     _fields_ = [
         ("input_norm", _PTR), ("post_attention_norm", _PTR),
+        ("pre_feedforward_norm", _PTR), ("post_feedforward_norm", _PTR),
+        ("q_norm", _PTR), ("k_norm", _PTR),
         ("qkv", BlockMatrix * MAX_PARTS), ("qkv_parts", _I64), ("qkv_bias", _PTR),
         ("o", BlockMatrix),
         ("gate_up", BlockMatrix * MAX_PARTS), ("gate_up_parts", _I64),
         ("down", BlockMatrix),
         ("key_cache", _PTR), ("value_cache", _PTR),
-        ("rotary", _I64),
+        ("rotary", _I64), ("full_attention", _I64),
     ]
 
 
 class DecoderShape(ctypes.Structure):
-    """The model's sizes, the cache's element type, the norms' eps and attention's scale."""
+    """The model's sizes and building blocks, the cache's element type, the norms' eps and attention's scale."""
 
     _fields_ = [
         ("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
         ("head_dim", _I64), ("intermediate", _I64), ("cache_dtype", _I64), ("block_size", _I64),
-        ("num_slots", _I64), ("eps", _FLOAT), ("scale", _FLOAT),
+        ("num_slots", _I64), ("norm_placement", _I64), ("activation", _I64), ("qk_norm", _I64),
+        ("rotary_dim", _I64), ("eps", _FLOAT), ("scale", _FLOAT),
     ]
 
 
@@ -55,7 +63,8 @@ class DecoderStep(ctypes.Structure):
     """One step's tokens (rotary rows, cache slots) and sequences (as the attention kernel reads them)."""
 
     _fields_ = [
-        ("num_tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("slot_mapping", _PTR),
+        ("num_tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("sliding_cos", _PTR), ("sliding_sin", _PTR),
+        ("slot_mapping", _PTR),
         ("query_start", _PTR), ("query_len", _PTR), ("seq_len", _PTR), ("block_table", _PTR),
         ("num_seqs", _I64), ("max_blocks", _I64), ("sliding_window", _I64),
     ]
@@ -101,7 +110,7 @@ class DecoderStackKernel:
 
     def struct_layout(self) -> list[int]:
         """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep and BlockMatrix, as C lays them out."""
-        out = (ctypes.c_int64 * 41)()
+        out = (ctypes.c_int64 * 52)()
         self._functions["decoder_struct_layout"](out)
         return list(out)
 

@@ -87,6 +87,9 @@ def _kernels():
 class TritonFusedOps:
     """``FusedOps``'s methods for tensors on a GPU (or the CPU under Triton's interpreter)."""
 
+    # What a model may ask of it (see ``FusedOps.OPERATIONS``).
+    OPERATIONS = frozenset({"rms_norm", "rotary", "silu_mul"})
+
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in _DTYPES
 

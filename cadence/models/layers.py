@@ -128,7 +128,31 @@ class FusedLinear(Linear):
         return self.forward(x).split(self.shard_sizes, dim=-1)
 
 
-class RMSNorm(torch.nn.Module):
+class _NormWeight:
+    """The weight a fused kernel scales by: the norm's own, or ``offset + weight``
+    in float32 (Gemma's), computed once per value of the weight."""
+
+    weight: torch.Tensor
+    weight_offset: float
+
+    def fused_weight(self) -> torch.Tensor:
+        if not self.weight_offset:
+            return self.weight
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
+        if getattr(self, "_offset_key", None) != key:
+            self._offset_weight = self.weight_offset + self.weight.float()
+            self._offset_key = key
+        return self._offset_weight
+
+    def fuses(self, x: torch.Tensor, ops: "FusedOps") -> bool:
+        """Whether ``ops`` norms x as the reference does: always without an
+        offset; with one only in float32, where Gemma's ``normed * (offset +
+        weight)`` in float32 then cast rounds once (and only where ``ops``
+        says it takes offset weights: the GPU's twin leaves them to PyTorch)."""
+        return not self.weight_offset or (x.dtype == torch.float32 and "offset_rms_norm" in ops.OPERATIONS)
+
+
+class RMSNorm(_NormWeight, torch.nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the weight.
 
     ``forward(x, residual)`` first adds x into the residual stream and norms
@@ -149,10 +173,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(self, x, residual=None):
-        # The C kernel scales by the weight itself: an offset norm stays in PyTorch.
-        if self.fused_ops is not None and not self.weight_offset:
+        if self.fused_ops is not None and self.fuses(x, self.fused_ops):
             # residual += x happens in place: the stream is this forward's own tensor.
-            normed = self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            normed = self.fused_ops.rms_norm(x, self.fused_weight(), self.eps, residual)
             return normed if residual is None else (normed, residual)
         if residual is not None:
             residual = residual + x
@@ -163,12 +186,12 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps, self.weight_offset)
 
 
-class HeadRMSNorm(torch.nn.Module):
-    """RMSNorm of q or k over their last dimension, in plain PyTorch.
+class HeadRMSNorm(_NormWeight, torch.nn.Module):
+    """RMSNorm of q or k over their last dimension.
 
-    Over each head ([T, H, D], Qwen3) or over the whole projection ([T, H*D],
-    OLMo 2). No fused kernel: those norm contiguous [T, hidden] rows with a
-    residual, and q/k here are slices of the fused qkv output.
+    Over each head ([T, H, D], Qwen3, Gemma 3) or over the whole projection
+    ([T, H*D], OLMo 2). q/k here are row-strided slices of the fused qkv
+    output: with ``fused_ops`` they are normed in place there, in one C pass.
     """
 
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype, weight_offset: float = 0.0) -> None:
@@ -176,8 +199,13 @@ class HeadRMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = empty_parameter(size, dtype=dtype)
         self.weight_offset = weight_offset
+        self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.fused_ops
+        if ops is not None and "head_rms_norm" in ops.OPERATIONS and self.fuses(x, ops):
+            ops.head_rms_norm_(x if x.dim() == 3 else x.unsqueeze(1), self.fused_weight(), self.eps)
+            return x
         return rms_norm(x, self.weight, self.eps, self.weight_offset)
 
 
@@ -211,10 +239,13 @@ class GatedMLP(torch.nn.Module):
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_ops is not None and self.activation == "silu":  # the C kernel is SiLU's only
-            return self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x)))
+        fused = _FUSED_ACTIVATIONS[self.activation]
+        if self.fused_ops is not None and fused in self.fused_ops.OPERATIONS:
+            return self.down_proj(getattr(self.fused_ops, fused)(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.forward_split(x)  # [T, I] each
         return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# The fused operation (``FusedOps.OPERATIONS``) computing activation(gate) * up.
+_FUSED_ACTIVATIONS = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}

@@ -108,7 +108,7 @@ class LlamaAttention(torch.nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, rope: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
-        if rope[0].dim() == 2:  # float32 rows for the fused kernel (full rotary only, see LlamaModel)
+        if rope[0].dim() == 2:  # float32 rows for the fused kernel (see LlamaModel._rope)
             self.fused_ops.rotary_(q, k, *rope)  # in place, in the projection's output
             return q, k
         return apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -221,8 +221,8 @@ class LlamaModel(torch.nn.Module):
             config.replace(rope_theta=config.sliding_rope_theta, rope_scaling=None))
         self.sliding_rope_layers = frozenset(i for i in range(config.num_hidden_layers)
                                              if config.uses_sliding_rope(i))
-        # The fused rotary kernel turns whole heads; partial rotary stays in PyTorch.
-        self.fused_rotary_fits = config.rotary_dim == config.head_dim
+        # Partial rotary takes the fused kernel only where the kernel has it (not the GPU's).
+        self.partial_rotary = config.rotary_dim != config.head_dim
         layer_class = _DECODER_LAYERS[config.norm_placement]
         self.layers = torch.nn.ModuleList(layer_class(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, dtype)
@@ -248,8 +248,9 @@ class LlamaModel(torch.nn.Module):
         return hidden
 
     def _rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        if self.fused_ops is not None and self.fused_rotary_fits:
-            return rotary.rows(positions)  # float32 [T, D] each
+        ops = self.fused_ops
+        if ops is not None and (not self.partial_rotary or "partial_rotary" in ops.OPERATIONS):
+            return rotary.rows(positions)  # float32 [T, R] each
         return rotary(positions, dtype)  # [T, 1, R] each
 
 

@@ -13,11 +13,14 @@ It runs a step when every token is a short query the attention kernel takes
 else); prefill chunks go through the modules. The model must be one the C
 loop describes; ``FusedDecoder.build`` says why not otherwise:
 
-    float32 Llama-family layers, pre-norm (``norm_placement`` "pre"), SwiGLU,
-    whole-head rotary (or none, per layer), no q/k norm, no experts, no
-    attention soft-capping, one attention window for all layers, every
-    projection kept in GGUF blocks of a kernel type (a q/k/v bias allowed),
-    no LoRA adapters, the C attention kernel and fused ops in use.
+    float32 Llama-family layers of any norm placement (pre, post: OLMo 2,
+    sandwich: Gemma), norms with or without an offset, SwiGLU or GeGLU,
+    whole-head or partial rotary (or none, per layer; Gemma 3's local
+    tables), q/k norms per head or whole, per-layer windows (Gemma's global
+    layers), every projection kept in GGUF blocks of a kernel type (a q/k/v
+    bias allowed); no experts, no attention soft-capping (the C attention
+    kernel has none), no LoRA adapters, the C attention kernel and fused ops
+    in use.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from cadence.kernels.decoder_stack import (
-    CACHE_DTYPES, MAX_PARTS, BlockMatrix, DecoderLayer, DecoderShape, DecoderStackKernel, DecoderStep,
-    decoder_stack,
+    ACTIVATIONS, CACHE_DTYPES, MAX_PARTS, NORM_PLACEMENTS, QK_NORMS, ROTARY_MAIN, ROTARY_NONE, ROTARY_SLIDING,
+    BlockMatrix, DecoderLayer, DecoderShape, DecoderStackKernel, DecoderStep, decoder_stack,
 )
-from cadence.models.layers import Linear
-from cadence.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cadence.models.layers import Linear, RMSNorm
+from cadence.models.llama import LlamaForCausalLM, _DECODER_LAYERS
 from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor
 
 if TYPE_CHECKING:
@@ -48,7 +51,7 @@ class FusedDecoder:
     """
 
     def __init__(self, kernel: DecoderStackKernel, model: LlamaForCausalLM, config: "ModelConfig",
-                 kv_cache: "PagedKVCache") -> None:
+                 kv_cache: "PagedKVCache", full_attention_layers: tuple[int, ...] = ()) -> None:
         self.kernel = kernel
         self.model = model
         self.kv_cache = kv_cache
@@ -58,19 +61,25 @@ class FusedDecoder:
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, intermediate=config.intermediate_size,
             cache_dtype=CACHE_DTYPES[kv_cache.data.dtype], block_size=kv_cache.block_size,
-            num_slots=kv_cache.num_slots, eps=config.rms_norm_eps,
+            num_slots=kv_cache.num_slots, norm_placement=NORM_PLACEMENTS[config.norm_placement],
+            activation=ACTIVATIONS[config.mlp_activation], qk_norm=QK_NORMS[config.qk_norm],
+            rotary_dim=config.rotary_dim, eps=config.rms_norm_eps,
             scale=scale if scale is not None else config.head_dim ** -0.5,
         )
+        # The norms' weights as the kernels scale by them (offsets added), held here for their pointers.
+        self.norm_weights: list[torch.Tensor] = []
         layers = model.model.layers
-        self.layers = (DecoderLayer * len(layers))(*(_layer(layer, kv_cache, i) for i, layer in enumerate(layers)))
-        self.final_norm = model.model.norm.weight
+        self.layers = (DecoderLayer * len(layers))(*(
+            self._layer(layer, kv_cache, i, config, i in full_attention_layers) for i, layer in enumerate(layers)))
+        self.final_norm = model.model.norm.fused_weight()
 
     @classmethod
     def build(cls, arch: str | None, model: torch.nn.Module, config: "ModelConfig", kv_cache: "PagedKVCache",
               *, uses_fused_ops: bool, uses_attention_kernel: bool,
-              per_layer_windows: bool) -> tuple["FusedDecoder | None", str]:
-        """The fused decoder for this model, built for ``-march=arch`` (None: no C kernels), or None and why not."""
-        reason = _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel, per_layer_windows)
+              full_attention_layers: tuple[int, ...] = ()) -> tuple["FusedDecoder | None", str]:
+        """The fused decoder for this model, built for ``-march=arch`` (None: no C kernels), or None and why not.
+        ``full_attention_layers``: the layers that ignore the step's attention window."""
+        reason = _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel)
         if reason is None and arch is None:
             reason = "the C kernels are unavailable"
         kernel = decoder_stack(arch) if reason is None else None
@@ -78,7 +87,39 @@ class FusedDecoder:
             reason = "the C library did not build"
         if reason is not None:
             return None, f"decode steps layer by layer ({reason})"
-        return cls(kernel, model, config, kv_cache), "decode steps through all layers in one C call"
+        return (cls(kernel, model, config, kv_cache, full_attention_layers),
+                "decode steps through all layers in one C call")
+
+    def _layer(self, layer: torch.nn.Module, kv_cache: "PagedKVCache", index: int, config: "ModelConfig",
+               full_attention: bool) -> DecoderLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = _matrices(attn.qkv_proj.quantized), _matrices(mlp.gate_up_proj.quantized)
+        bias = attn.qkv_proj.bias
+        rotary = ROTARY_NONE
+        if attn.uses_rope:
+            rotary = ROTARY_SLIDING if index in self.model.model.sliding_rope_layers else ROTARY_MAIN
+        return DecoderLayer(
+            input_norm=self._norm(getattr(layer, "input_layernorm", None)),
+            post_attention_norm=self._norm(layer.post_attention_layernorm),
+            pre_feedforward_norm=self._norm(getattr(layer, "pre_feedforward_layernorm", None)),
+            post_feedforward_norm=self._norm(getattr(layer, "post_feedforward_layernorm", None)),
+            q_norm=self._norm(getattr(attn, "q_norm", None)), k_norm=self._norm(getattr(attn, "k_norm", None)),
+            qkv=(BlockMatrix * MAX_PARTS)(*qkv), qkv_parts=len(qkv),
+            qkv_bias=None if bias is None else bias.data_ptr(),
+            o=_matrices(attn.o_proj.quantized)[0],
+            gate_up=(BlockMatrix * MAX_PARTS)(*gate_up), gate_up_parts=len(gate_up),
+            down=_matrices(mlp.down_proj.quantized)[0],
+            key_cache=kv_cache.keys(index).data_ptr(), value_cache=kv_cache.values(index).data_ptr(),
+            rotary=rotary, full_attention=int(full_attention),
+        )
+
+    def _norm(self, norm: RMSNorm | None) -> int | None:
+        """The pointer to ``norm``'s weight as the kernel scales by it (None: no such norm)."""
+        if norm is None:
+            return None
+        weight = norm.fused_weight().contiguous()
+        self.norm_weights.append(weight)
+        return weight.data_ptr()
 
     @staticmethod
     def covers(metadata: "AttentionMetadata") -> bool:
@@ -89,8 +130,12 @@ class FusedDecoder:
                 metadata: "AttentionMetadata") -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's tokens (keys and values written)."""
         hidden = self.model.model.embed(input_ids).contiguous()  # [T, hidden] float32, the residual stream
-        # float32 [T, D] each; held here, so the pointers below stay valid through the call
-        cos, sin = (t.contiguous() for t in self.model.model.rotary.rows(positions))
+        # float32 [T, R] each; held here, so the pointers below stay valid through the call
+        decoder = self.model.model
+        cos, sin = (t.contiguous() for t in decoder.rotary.rows(positions))
+        sliding_cos = sliding_sin = None
+        if decoder.sliding_rotary is not None:
+            sliding_cos, sliding_sin = (t.contiguous() for t in decoder.sliding_rotary.rows(positions))
         short = metadata.short
         slots = metadata.slot_mapping
         _check_index(slots, torch.int64, hidden.shape[0])
@@ -99,6 +144,8 @@ class FusedDecoder:
         _check_index(short.block_table, torch.int32, None)
         step = DecoderStep(
             num_tokens=hidden.shape[0], cos=cos.data_ptr(), sin=sin.data_ptr(),
+            sliding_cos=None if sliding_cos is None else sliding_cos.data_ptr(),
+            sliding_sin=None if sliding_sin is None else sliding_sin.data_ptr(),
             slot_mapping=slots.data_ptr(), query_start=short.query_start.data_ptr(),
             query_len=short.query_len.data_ptr(), seq_len=short.seq_len.data_ptr(),
             block_table=short.block_table.data_ptr(), num_seqs=short.seq_len.shape[0],
@@ -116,7 +163,7 @@ def _check_index(t: torch.Tensor, dtype: torch.dtype, length: int | None) -> Non
                          f"got {t.dtype} {tuple(t.shape)}")
 
 
-def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel, per_layer_windows) -> str | None:
+def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel) -> str | None:
     """Why the C loop cannot run this model's decode steps (None: it can)."""
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the Llama-family decoder"
@@ -127,21 +174,17 @@ def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel, per
     if not (uses_fused_ops and uses_attention_kernel):
         return "the C attention kernel or fused ops are not in use"
     differences = [
-        ("a norm placement other than pre-norm", config.norm_placement != "pre"),
-        ("q/k norms", config.qk_norm is not None),
-        ("partial rotary", config.rotary_dim != config.head_dim),
         ("mixture-of-experts layers", any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))),
-        (f"the {config.mlp_activation} activation", config.mlp_activation != "silu"),
-        ("offset norm weights", bool(config.norm_weight_offset)),
-        ("separate rotary tables for sliding-window layers", config.sliding_rope_theta is not None),
         ("attention soft-capping", config.attn_logit_softcapping is not None),
-        ("per-layer attention windows", per_layer_windows),
+        (f"the {config.mlp_activation} activation", config.mlp_activation not in ACTIVATIONS),
+        (f"{config.norm_placement} norms", config.norm_placement not in NORM_PLACEMENTS),
     ]
     missing = [name for name, differs in differences if differs]
     if missing:
         return f"{config.architecture} has {', '.join(missing)}"
+    layer_class = _DECODER_LAYERS[config.norm_placement]
     for i, layer in enumerate(model.model.layers):
-        if type(layer) is not LlamaDecoderLayer:
+        if type(layer) is not layer_class:
             return f"layer {i} is a {type(layer).__name__}"
         projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
                        "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
@@ -169,20 +212,3 @@ def _why_not_blocks(linear: Linear, *, allow_bias: bool) -> str | None:
 
 def _matrices(parts) -> list[BlockMatrix]:
     return [BlockMatrix(int(p.ggml_type), p.blocks.data_ptr(), p.shape[0]) for p in parts]
-
-
-def _layer(layer: LlamaDecoderLayer, kv_cache: "PagedKVCache", index: int) -> DecoderLayer:
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv, gate_up = _matrices(attn.qkv_proj.quantized), _matrices(mlp.gate_up_proj.quantized)
-    bias = attn.qkv_proj.bias
-    return DecoderLayer(
-        input_norm=layer.input_layernorm.weight.data_ptr(),
-        post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
-        qkv=(BlockMatrix * MAX_PARTS)(*qkv), qkv_parts=len(qkv),
-        qkv_bias=None if bias is None else bias.data_ptr(),
-        o=_matrices(attn.o_proj.quantized)[0],
-        gate_up=(BlockMatrix * MAX_PARTS)(*gate_up), gate_up_parts=len(gate_up),
-        down=_matrices(mlp.down_proj.quantized)[0],
-        key_cache=kv_cache.keys(index).data_ptr(), value_cache=kv_cache.values(index).data_ptr(),
-        rotary=int(attn.uses_rope),
-    )

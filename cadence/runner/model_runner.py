@@ -251,7 +251,7 @@ class ModelRunner(RunnerBase):
             paths.decoder_stack_arch, self.model, self.model_config, self.kv_cache,
             uses_fused_ops=paths.fused_ops is not None and paths.fused_ops.supports(self.dtype),
             uses_attention_kernel=self.attention_kernel is not None,
-            per_layer_windows=bool(self.full_attention_layers),
+            full_attention_layers=tuple(self.full_attention_layers),
         )
 
     # ------------------------------------------------------------ the step

@@ -51,3 +51,26 @@ def test_greedy_tokens_equal_transformers(llm):
               for ids in ([1437, 9145, 563], [2094, 236789, 236751, 3074], [818, 1595])]
     batched = llm.generate([others[0], prompt, *others[1:]], params, use_tqdm=False)
     assert list(batched[1].outputs[0].token_ids) == reference["greedy_token_ids"]
+
+
+def test_decodes_take_the_one_call_decoder_equal_to_the_layer_by_layer_path(llm):
+    """Its decode steps run through all 18 layers in one C call (sandwich and offset
+    norms, GeGLU, q/k norms, local rotary tables and windows beside global layers),
+    and the tokens are those of the modules, layer by layer."""
+    runner = llm.engine.core.runner
+    fused = runner.fused_decoder
+    assert fused is not None, runner.fused_decoder_note
+    calls = []
+    forward = fused.forward
+    fused.forward = lambda *args: calls.append(1) or forward(*args)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["Write a haiku about the sea.", "List three prime numbers:"]
+    try:
+        one_call = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert len(calls) >= 20
+        runner.fused_decoder = None
+        layer_by_layer = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        fused.forward = forward
+        runner.fused_decoder = fused
+    assert one_call == layer_by_layer

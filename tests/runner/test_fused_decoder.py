@@ -5,8 +5,11 @@ every kernel type (q, k, v in three types: three parts; gate and up in two);
 one takes decode steps through ``decoder_stack.c``, the other layer by layer
 in Python. The same schedule must give the same hidden states, the same KV
 cache bytes and the same tokens, on every cache dtype, the portable C build
-included, for each model variant the loop takes (a q/k/v bias, layers
-without rotary, a sliding window) and for speculative verification rows.
+included, for each architecture's building blocks the loop takes (a q/k/v
+bias, layers without rotary, a sliding window, q/k norms per head and
+whole, post-norm and sandwich layers, offset norms, GeGLU, partial rotary,
+Gemma 3's local rotary tables and global layers) and for speculative
+verification rows.
 """
 
 from __future__ import annotations
@@ -119,11 +122,20 @@ def mixed_schedule(sched):
     sched.decode(3)
 
 
+GEMMA3 = dict(architecture="gemma3_text", norm_placement="sandwich", norm_weight_offset=1.0,
+              mlp_activation="gelu_tanh", embedding_multiplier=16.0, query_pre_attn_scalar=48.0,
+              qk_norm="per_head", sliding_rope_theta=10000.0, rope_theta=1e6, full_attention_layers=(1,),
+              sliding_window=12, tie_word_embeddings=True)
 VARIANTS = {
     "llama": {},
-    "qkv-bias": {"attention_bias": True},
-    "no-rope-layer": {"no_rope_layers": (1,)},
-    "sliding-window": {"sliding_window": 12},
+    "qkv-bias": {"attention_bias": True},  # Qwen2
+    "no-rope-layer": {"no_rope_layers": (1,)},  # SmolLM3
+    "sliding-window": {"sliding_window": 12},  # Mistral
+    "qwen3": {"architecture": "qwen3", "qk_norm": "per_head"},
+    "olmo2": {"architecture": "olmo2", "norm_placement": "post", "qk_norm": "whole"},
+    "phi3-partial-rotary": {"architecture": "phi3", "partial_rotary_factor": 0.5},
+    "gemma3": GEMMA3,
+    "gemma3-wide-heads": dict(GEMMA3, num_attention_heads=2, num_key_value_heads=1, head_dim=128),
 }
 
 
@@ -153,10 +165,13 @@ def test_decode_steps_equal_the_module_path_bit_for_bit(path, kv_cache_dtype):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_the_loop_takes_equals_the_module_path(variant):
-    overrides = dict(VARIANTS[variant])
-    window = overrides.pop("sliding_window", None)
-    config = CONFIG.replace(**overrides)
-    assert_same_run(config, "as-built", torch.float16, sliding_window=window)
+    config = CONFIG.replace(**VARIANTS[variant])
+    assert_same_run(config, "as-built", torch.float16)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.bfloat16])
+def test_gemma3_on_the_portable_build_equals_the_module_path(kv_cache_dtype):
+    assert_same_run(CONFIG.replace(**GEMMA3), "portable-c", kv_cache_dtype)
 
 
 def test_speculative_verification_rows_equal_the_module_path():
@@ -217,7 +232,8 @@ def reason_for(model, paths=None, **options):
 
 def test_models_and_runners_the_loop_does_not_take_say_why():
     assert "not kept in GGUF blocks" in reason_for(random_model(CONFIG))
-    assert "q/k norms" in reason_for(quantized_model(CONFIG.replace(qk_norm="per_head")))
+    assert "mixture-of-experts" in reason_for(random_model(CONFIG.replace(
+        architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)))
     assert "fused ops are not in use" in reason_for(quantized_model(CONFIG), CpuPaths.plain())
     paths = cpu_paths("as-built")
     no_library = CpuPaths(paths.pack_weights, paths.fused_ops, paths.attention_kernel, paths.reasons,

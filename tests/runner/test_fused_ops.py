@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from cadence.kernels import build as native
 from cadence.kernels import fused_ops as fused_module
 from cadence.models.attention_ref import ReferenceAttention
-from cadence.models.layers import RMSNorm
+from cadence.models.layers import HeadRMSNorm, RMSNorm
 from cadence.models.rotary import apply_rotary
 from cadence.models.testing import random_model, tiny_config
 
@@ -75,9 +75,85 @@ def test_silu_mul(ops, dtype):
     assert_matches(ops.silu_mul(gate_up), expected)
 
 
+def test_partial_rotary_turns_only_the_first_values_of_each_head(ops):
+    num_tokens, q_heads, kv_heads, head_dim, rotary_dim = 3, 4, 2, 16, 8
+    qkv = torch.randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, : q_heads * head_dim].view(num_tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    angles = torch.rand(num_tokens, rotary_dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, R]
+    expected_q, expected_k = (apply_rotary(x, cos.unsqueeze(1), sin.unsqueeze(1)) for x in (q, k))
+    ops.rotary_(q, k, cos, sin)
+    assert_matches(q, expected_q)
+    assert_matches(k, expected_k)
+    assert torch.equal(q[..., rotary_dim:], expected_q[..., rotary_dim:])  # the rest passes through
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_model_matches_pytorch_model(ops, dtype):
-    config = tiny_config(architecture="qwen2", attention_bias=True)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("whole", [False, True])
+def test_head_norms_in_place_in_the_qkv_rows(ops, dtype, offset, whole):
+    """q/k norms per head (Qwen3, Gemma 3) or over the projection (OLMo 2), in
+    place in the fused projection's rows; v untouched."""
+    num_tokens, heads, head_dim = 5, 4, 16
+    qkv = torch.randn(num_tokens, 3 * heads * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim]
+    q = q if whole else q.view(num_tokens, heads, head_dim)
+    rest = qkv[:, heads * head_dim :].clone()
+    norm = HeadRMSNorm(q.shape[-1], 1e-6, dtype=dtype, weight_offset=offset)
+    norm.weight.data.copy_(0.1 * torch.randn(q.shape[-1]))
+    expected = norm(q.clone())
+    norm.fused_ops = ops
+    got = norm(q)
+    if dtype == torch.bfloat16 and offset:
+        assert torch.equal(got, expected)  # Gemma rounds once after the weight: PyTorch's path
+        return
+    assert got.data_ptr() == q.data_ptr()  # normed where it lies
+    assert_matches(q, expected)
+    assert torch.equal(qkv[:, heads * head_dim :], rest)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(ops, dtype):
+    gate = torch.linspace(-12, 12, 3 * 40).view(3, 40)
+    up = torch.randn(3, 40)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    expected = F.gelu(gate_up[:, :40], approximate="tanh") * gate_up[:, 40:]
+    assert_matches(ops.gelu_tanh_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_offset_norm_in_float32_takes_the_kernel(ops, offset):
+    """Gemma's (1 + weight) norm in float32 scales by the offset weight in C; its
+    value follows the weight when the weight changes."""
+    x = torch.randn(6, 64)
+    norm = RMSNorm(64, 1e-6, dtype=torch.float32, weight_offset=offset)
+    norm.weight.data.copy_(0.1 * torch.randn(64))
+    expected = norm(x)
+    norm.fused_ops = ops
+    assert_matches(norm(x), expected)
+    with torch.no_grad():
+        norm.weight.mul_(2)
+    norm.fused_ops = None
+    expected = norm(x)
+    norm.fused_ops = ops
+    assert_matches(norm(x), expected)
+
+
+FAMILIES = {
+    "qwen2": dict(architecture="qwen2", attention_bias=True),
+    "olmo2": dict(architecture="olmo2", norm_placement="post", qk_norm="whole"),
+    "phi3": dict(architecture="phi3", partial_rotary_factor=0.5),
+    "gemma3": dict(architecture="gemma3_text", norm_placement="sandwich", norm_weight_offset=1.0,
+                   mlp_activation="gelu_tanh", qk_norm="per_head", sliding_rope_theta=10000.0,
+                   sliding_window=4, full_attention_layers=(1,), embedding_multiplier=8.0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_model_matches_pytorch_model(ops, dtype, family):
+    config = tiny_config(**FAMILIES[family])
     plain, fused = random_model(config, dtype, seed=2), random_model(config, dtype, seed=2)
     fused.use_fused_ops(ops)
     ids, positions = torch.tensor([5, 17, 42, 99, 3, 250, 7, 64]), torch.arange(8)

@@ -7,20 +7,27 @@
  * the dispatch between them cost as much as the kernels. Here the same
  * kernels run back to back in C, in the same order and on the same values as
  * the module path (cadence/models/llama.py with fused ops, quantized
- * products and the native attention), so the two agree to the bit:
+ * products and the native attention), so the two agree to the bit. A
+ * pre-norm layer (Llama's):
  *
- *     for each layer:
- *         normed = input_norm(delta + residual)      (first layer: norm(hidden))
- *         qkv = normed @ Wqkv^T (+ bias)             each part into its columns
- *         rotate q, k in place; write k, v at their slots (cache dtype)
- *         attn = attention(q over the cache)         the sequences' short queries
- *         delta = attn @ Wo^T
- *         normed = post_norm(delta + residual)
- *         delta = down(silu(gate) * up)
+ *     normed = input_norm(delta + residual)      (first layer: norm(hidden))
+ *     qkv = normed @ Wqkv^T (+ bias)             each part into its columns
+ *     q/k norms in place (per head or whole)     Qwen3, Gemma 3, OLMo 2
+ *     rotate q, k in place; write k, v at their slots (cache dtype)
+ *     attn = attention(q over the cache)         the layer's window or the whole context
+ *     delta = attn @ Wo^T
+ *     normed = post_norm(delta + residual)
+ *     delta = down(act(gate) * up)               act: SiLU or GELU-tanh
+ *
+ * A sandwich layer (Gemma's) norms the attention's and the MLP's outputs
+ * too before they join the stream; a post-norm layer (OLMo 2's) attends and
+ * feeds forward on the stream itself and norms only the outputs. Then
+ *
  *     out = final_norm(delta + residual)
  *
- * One translation unit with the kernels (the three sources are included),
- * so nothing is called through a library boundary. The caller (Python,
+ * Norms with an offset (Gemma's 1 + weight) arrive with it added. One
+ * translation unit with the kernels (the three sources are included), so
+ * nothing is called through a library boundary. The caller (Python,
  * cadence/kernels/decoder_stack.py) decides which models and steps qualify.
  */
 
@@ -40,10 +47,14 @@ typedef struct {
 #define MAX_PARTS 3
 
 /* One decoder layer's weights and caches. A projection is up to MAX_PARTS
- * row ranges of its matrix (shards of different ggml types stay apart). */
+ * row ranges of its matrix (shards of different ggml types stay apart).
+ * Norms a layer's placement does not use are NULL. */
 typedef struct {
-    const float *input_norm;          /* [H] */
-    const float *post_attention_norm; /* [H] */
+    const float *input_norm;            /* [H]: pre and sandwich */
+    const float *post_attention_norm;   /* [H] */
+    const float *pre_feedforward_norm;  /* [H]: sandwich */
+    const float *post_feedforward_norm; /* [H]: sandwich and post */
+    const float *q_norm, *k_norm;       /* [D] per head, [Hq D] / [Hkv D] whole, or NULL */
     BlockMatrix qkv[MAX_PARTS];
     int64_t qkv_parts;
     const float *qkv_bias; /* [(Hq + 2 Hkv) D], or NULL */
@@ -53,23 +64,33 @@ typedef struct {
     BlockMatrix down;
     void *key_cache;   /* [num_blocks, block_size, Hkv, D] of the cache dtype */
     void *value_cache;
-    int64_t rotary;    /* 0: this layer skips rotary (SmolLM3's) */
+    int64_t rotary;         /* ROTARY_NONE (SmolLM3's), ROTARY_MAIN or ROTARY_SLIDING (Gemma 3's local tables) */
+    int64_t full_attention; /* 1: sees the whole context despite the step's window (Gemma's global layers) */
 } DecoderLayer;
 
-/* The model's sizes. */
+/* The model's sizes and building blocks. */
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t cache_dtype; /* CACHE_F32, CACHE_F16 or CACHE_BF16 */
     int64_t block_size, num_slots; /* num_slots: blocks x block_size */
+    int64_t norm_placement; /* NORM_PRE, NORM_POST or NORM_SANDWICH */
+    int64_t activation;     /* ACT_SILU or ACT_GELU_TANH */
+    int64_t qk_norm;        /* QK_NORM_NONE, QK_NORM_PER_HEAD or QK_NORM_WHOLE */
+    int64_t rotary_dim;     /* values of each head that turn (head_dim but for partial rotary) */
     float eps, scale;
 } DecoderShape;
 
 enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 };
+enum { NORM_PRE = 0, NORM_POST = 1, NORM_SANDWICH = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { QK_NORM_NONE = 0, QK_NORM_PER_HEAD = 1, QK_NORM_WHOLE = 2 };
+enum { ROTARY_NONE = 0, ROTARY_MAIN = 1, ROTARY_SLIDING = 2 };
 
 /* The step: T query rows of S sequences, as the attention kernel reads them. */
 typedef struct {
     int64_t num_tokens;
-    const float *cos, *sin;      /* [T, D] */
+    const float *cos, *sin;      /* [T, R] */
+    const float *sliding_cos, *sliding_sin; /* [T, R], for ROTARY_SLIDING layers (else NULL) */
     const int64_t *slot_mapping; /* [T] */
     const int64_t *query_start, *query_len, *seq_len; /* [S] */
     const int32_t *block_table;  /* [S, max_blocks] */
@@ -135,7 +156,8 @@ static int write_cache(const DecoderShape *shape, const DecoderLayer *layer, con
 static void attend(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
                    const float *q, float *out) {
     const int Hq = (int)shape->num_heads, Hkv = (int)shape->num_kv_heads, D = (int)shape->head_dim;
-    const int bs = (int)shape->block_size, max_blocks = (int)step->max_blocks, window = (int)step->sliding_window;
+    const int bs = (int)shape->block_size, max_blocks = (int)step->max_blocks;
+    const int window = layer->full_attention ? 0 : (int)step->sliding_window;
     switch (shape->cache_dtype) {
     case CACHE_F32:
         paged_attention_f32(q, layer->key_cache, layer->value_cache, out, step->query_start, step->query_len,
@@ -174,31 +196,92 @@ static float *scratch_alloc(const DecoderShape *shape, int64_t T, int64_t qkv_wi
     return all;
 }
 
-/* One layer: residual (the stream, updated in place) and delta (the last
- * block's output, which this layer adds in first; NULL for the first layer,
- * whose residual is its input). Leaves this layer's MLP output in delta. */
-static int run_layer(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
-                     float *residual, int first, Scratch *s) {
-    const int64_t T = step->num_tokens, H = shape->hidden, D = shape->head_dim, I = shape->intermediate;
+/* q/k norms in place in each qkv row (q: columns [0, q_size), k: the next kv_size). */
+static void norm_qk(const DecoderShape *shape, const DecoderLayer *layer, float *qkv, int64_t T, int64_t qkv_width) {
+    const int64_t D = shape->head_dim, Hq = shape->num_heads, Hkv = shape->num_kv_heads;
+    if (shape->qk_norm == QK_NORM_PER_HEAD) {
+        head_rms_norm_f32(qkv, qkv_width, Hq, D, layer->q_norm, T, shape->eps);
+        head_rms_norm_f32(qkv + Hq * D, qkv_width, Hkv, D, layer->k_norm, T, shape->eps);
+    } else if (shape->qk_norm == QK_NORM_WHOLE) {
+        head_rms_norm_f32(qkv, qkv_width, 1, Hq * D, layer->q_norm, T, shape->eps);
+        head_rms_norm_f32(qkv + Hq * D, qkv_width, 1, Hkv * D, layer->k_norm, T, shape->eps);
+    }
+}
+
+/* s->delta [T, H] = the attention block's output for the layer's input ``x`` [T, H]. */
+static int attention_block(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
+                           const float *x, Scratch *s) {
+    const int64_t T = step->num_tokens, H = shape->hidden, D = shape->head_dim;
     const int64_t q_size = shape->num_heads * D, qkv_width = q_size + 2 * shape->num_kv_heads * D;
     int status;
-    add_rms_norm_f32(first ? residual : s->delta, H, first ? NULL : residual, H, layer->input_norm, s->normed,
-                     H, T, H, shape->eps);
-    if ((status = project(layer->qkv, layer->qkv_parts, H, s->normed, T, s->qkv, qkv_width))) return status;
+    if ((status = project(layer->qkv, layer->qkv_parts, H, x, T, s->qkv, qkv_width))) return status;
     if (layer->qkv_bias)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t i = 0; i < qkv_width; ++i) s->qkv[t * qkv_width + i] += layer->qkv_bias[i];
-    if (layer->rotary)
+    norm_qk(shape, layer, s->qkv, T, qkv_width);
+    if (layer->rotary != ROTARY_NONE) {
+        const int sliding = layer->rotary == ROTARY_SLIDING;
         rotary_f32(s->qkv, qkv_width, (int)shape->num_heads, s->qkv + q_size, qkv_width, (int)shape->num_kv_heads,
-                   step->cos, step->sin, T, (int)D);
+                   sliding ? step->sliding_cos : step->cos, sliding ? step->sliding_sin : step->sin, T, (int)D,
+                   (int)shape->rotary_dim);
+    }
     if ((status = write_cache(shape, layer, step, s->qkv, qkv_width))) return status;
     for (int64_t t = 0; t < T; ++t) memcpy(s->q + t * q_size, s->qkv + t * qkv_width, (size_t)q_size * sizeof(float));
     attend(shape, layer, step, s->q, s->attn);
-    if ((status = project(&layer->o, 1, q_size, s->attn, T, s->delta, H))) return status;
-    add_rms_norm_f32(s->delta, H, residual, H, layer->post_attention_norm, s->normed, H, T, H, shape->eps);
-    if ((status = project(layer->gate_up, layer->gate_up_parts, H, s->normed, T, s->gate_up, 2 * I))) return status;
-    silu_mul_f32(s->gate_up, s->act, T, I);
+    return project(&layer->o, 1, q_size, s->attn, T, s->delta, H);
+}
+
+/* s->delta [T, H] = the MLP's output for its input ``x`` [T, H]. */
+static int mlp_block(const DecoderShape *shape, const DecoderLayer *layer, int64_t T, const float *x, Scratch *s) {
+    const int64_t H = shape->hidden, I = shape->intermediate;
+    int status;
+    if ((status = project(layer->gate_up, layer->gate_up_parts, H, x, T, s->gate_up, 2 * I))) return status;
+    if (shape->activation == ACT_GELU_TANH)
+        gelu_tanh_mul_f32(s->gate_up, s->act, T, I);
+    else
+        silu_mul_f32(s->gate_up, s->act, T, I);
     return project(&layer->down, 1, I, s->act, T, s->delta, H);
+}
+
+/* out [T, H] = norm(x) (with ``residual``: residual += x first, and the sum is normed). */
+static void norm_rows(const DecoderShape *shape, const float *weight, const float *x, float *residual, float *out,
+                      int64_t T) {
+    const int64_t H = shape->hidden;
+    add_rms_norm_f32(x, H, residual, H, weight, out, H, T, H, shape->eps);
+}
+
+/* One layer: residual (the stream, updated in place) and delta (the last
+ * block's output, which this layer adds in first; the first layer's
+ * residual is its input). Leaves this layer's MLP output in delta. */
+static int run_layer(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
+                     float *residual, int first, Scratch *s) {
+    const int64_t T = step->num_tokens, H = shape->hidden;
+    int status;
+    if (shape->norm_placement == NORM_POST) {
+        /* h = x + norm(attn(x)); delta = norm(mlp(h)), each sum as PyTorch adds it */
+        if (!first)
+            for (int64_t i = 0; i < T * H; ++i) residual[i] += s->delta[i];
+        if ((status = attention_block(shape, layer, step, residual, s))) return status;
+        norm_rows(shape, layer->post_attention_norm, s->delta, NULL, s->normed, T);
+        for (int64_t i = 0; i < T * H; ++i) residual[i] += s->normed[i];
+        if ((status = mlp_block(shape, layer, T, residual, s))) return status;
+        norm_rows(shape, layer->post_feedforward_norm, s->delta, NULL, s->normed, T);
+        memcpy(s->delta, s->normed, (size_t)(T * H) * sizeof(float));
+        return 0;
+    }
+    norm_rows(shape, layer->input_norm, first ? residual : s->delta, first ? NULL : residual, s->normed, T);
+    if ((status = attention_block(shape, layer, step, s->normed, s))) return status;
+    if (shape->norm_placement == NORM_SANDWICH) {
+        /* attn_out = norm(attn); normed = pre_ff_norm(attn_out + residual); delta = norm(mlp) */
+        norm_rows(shape, layer->post_attention_norm, s->delta, NULL, s->normed, T);
+        norm_rows(shape, layer->pre_feedforward_norm, s->normed, residual, s->delta, T);
+        if ((status = mlp_block(shape, layer, T, s->delta, s))) return status;
+        norm_rows(shape, layer->post_feedforward_norm, s->delta, NULL, s->normed, T);
+        memcpy(s->delta, s->normed, (size_t)(T * H) * sizeof(float));
+        return 0;
+    }
+    norm_rows(shape, layer->post_attention_norm, s->delta, residual, s->normed, T);
+    return mlp_block(shape, layer, T, s->normed, s);
 }
 
 /* out [T, H] = the final norm of the stack's output for the step's embedded
@@ -208,10 +291,19 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
                   const DecoderStep *step, float *hidden, float *out) {
     const int64_t T = step->num_tokens, H = shape->hidden;
     if (T == 0) return 0;
-    for (int64_t l = 0; l < shape->num_layers; ++l)
-        if (layers[l].qkv_parts < 1 || layers[l].qkv_parts > MAX_PARTS || layers[l].gate_up_parts < 1
-            || layers[l].gate_up_parts > MAX_PARTS)
+    if (shape->rotary_dim < 2 || shape->rotary_dim > shape->head_dim || shape->rotary_dim % 2) return -1;
+    for (int64_t l = 0; l < shape->num_layers; ++l) {
+        const DecoderLayer *layer = &layers[l];
+        if (layer->qkv_parts < 1 || layer->qkv_parts > MAX_PARTS || layer->gate_up_parts < 1
+            || layer->gate_up_parts > MAX_PARTS)
             return -1;
+        if ((shape->qk_norm != QK_NORM_NONE && (!layer->q_norm || !layer->k_norm))
+            || (layer->rotary == ROTARY_SLIDING && (!step->sliding_cos || !step->sliding_sin))
+            || (shape->norm_placement != NORM_POST && !layer->input_norm)
+            || (shape->norm_placement != NORM_PRE && !layer->post_feedforward_norm)
+            || (shape->norm_placement == NORM_SANDWICH && !layer->pre_feedforward_norm))
+            return -1;
+    }
     const int64_t qkv_width = (shape->num_heads + 2 * shape->num_kv_heads) * shape->head_dim;
     Scratch s;
     float *all = scratch_alloc(shape, T, qkv_width, &s);
@@ -225,26 +317,32 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
 }
 
 /* sizeof and field offsets of the structures, for the binding's test:
- * DecoderLayer (size, then 12 offsets), DecoderShape (size, 11), DecoderStep
- * (size, 11), BlockMatrix (size, 3): 41 values. */
+ * DecoderLayer (size, then 17 offsets), DecoderShape (size, 15), DecoderStep
+ * (size, 13), BlockMatrix (size, 3): 52 values. */
 int decoder_struct_layout(int64_t *out) {
 #define PUT(value) (*out++ = (int64_t)(value))
     PUT(sizeof(DecoderLayer));
     PUT(offsetof(DecoderLayer, input_norm)); PUT(offsetof(DecoderLayer, post_attention_norm));
+    PUT(offsetof(DecoderLayer, pre_feedforward_norm)); PUT(offsetof(DecoderLayer, post_feedforward_norm));
+    PUT(offsetof(DecoderLayer, q_norm)); PUT(offsetof(DecoderLayer, k_norm));
     PUT(offsetof(DecoderLayer, qkv)); PUT(offsetof(DecoderLayer, qkv_parts));
     PUT(offsetof(DecoderLayer, qkv_bias)); PUT(offsetof(DecoderLayer, o));
     PUT(offsetof(DecoderLayer, gate_up)); PUT(offsetof(DecoderLayer, gate_up_parts));
     PUT(offsetof(DecoderLayer, down)); PUT(offsetof(DecoderLayer, key_cache));
     PUT(offsetof(DecoderLayer, value_cache)); PUT(offsetof(DecoderLayer, rotary));
+    PUT(offsetof(DecoderLayer, full_attention));
     PUT(sizeof(DecoderShape));
     PUT(offsetof(DecoderShape, num_layers)); PUT(offsetof(DecoderShape, hidden));
     PUT(offsetof(DecoderShape, num_heads)); PUT(offsetof(DecoderShape, num_kv_heads));
     PUT(offsetof(DecoderShape, head_dim)); PUT(offsetof(DecoderShape, intermediate));
     PUT(offsetof(DecoderShape, cache_dtype)); PUT(offsetof(DecoderShape, block_size));
-    PUT(offsetof(DecoderShape, num_slots));
+    PUT(offsetof(DecoderShape, num_slots)); PUT(offsetof(DecoderShape, norm_placement));
+    PUT(offsetof(DecoderShape, activation)); PUT(offsetof(DecoderShape, qk_norm));
+    PUT(offsetof(DecoderShape, rotary_dim));
     PUT(offsetof(DecoderShape, eps)); PUT(offsetof(DecoderShape, scale));
     PUT(sizeof(DecoderStep));
     PUT(offsetof(DecoderStep, num_tokens)); PUT(offsetof(DecoderStep, cos)); PUT(offsetof(DecoderStep, sin));
+    PUT(offsetof(DecoderStep, sliding_cos)); PUT(offsetof(DecoderStep, sliding_sin));
     PUT(offsetof(DecoderStep, slot_mapping)); PUT(offsetof(DecoderStep, query_start));
     PUT(offsetof(DecoderStep, query_len)); PUT(offsetof(DecoderStep, seq_len));
     PUT(offsetof(DecoderStep, block_table)); PUT(offsetof(DecoderStep, num_seqs));
