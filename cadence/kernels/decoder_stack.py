@@ -49,13 +49,14 @@ class DecoderLayer(ctypes.Structure):
 
 
 class DecoderShape(ctypes.Structure):
-    """The model's sizes and building blocks, the cache's element type, the norms' eps and attention's scale."""
+    """The model's sizes and building blocks, the cache's element type, the norms' eps, attention's
+    scale and soft-cap (0: none)."""
 
     _fields_ = [
         ("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
         ("head_dim", _I64), ("intermediate", _I64), ("cache_dtype", _I64), ("block_size", _I64),
         ("num_slots", _I64), ("norm_placement", _I64), ("activation", _I64), ("qk_norm", _I64),
-        ("rotary_dim", _I64), ("eps", _FLOAT), ("scale", _FLOAT),
+        ("rotary_dim", _I64), ("eps", _FLOAT), ("scale", _FLOAT), ("softcap", _FLOAT),
     ]
 
 
@@ -110,7 +111,7 @@ class DecoderStackKernel:
 
     def struct_layout(self) -> list[int]:
         """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep and BlockMatrix, as C lays them out."""
-        out = (ctypes.c_int64 * 52)()
+        out = (ctypes.c_int64 * 53)()
         self._functions["decoder_struct_layout"](out)
         return list(out)
 

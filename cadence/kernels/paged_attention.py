@@ -24,8 +24,8 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 # paged_attention_<suffix>: q, k_cache, v_cache, out, query_start, query_len,
 # seq_len, block_table; num_seqs; heads, kv heads, head dim, block size,
-# max blocks, window; scale (checked against the C prototype by the tests).
-ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] + [_INT] * 6 + [ctypes.c_float]
+# max blocks, window; scale, soft-cap (0: none) (checked against the C prototype by the tests).
+ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] + [_INT] * 6 + [ctypes.c_float] * 2
 
 
 class PagedAttentionKernel:
@@ -56,8 +56,10 @@ class PagedAttentionKernel:
         block_table: torch.Tensor,  # [S, max_blocks] int32
         sliding_window: int | None,
         scale: float,
+        softcap: float | None = None,
     ) -> None:
-        """Attention of the S sequences' query rows over their cached keys, into ``out``."""
+        """Attention of the S sequences' query rows over their cached keys, into ``out``
+        (scores soft-capped at ``softcap``, Gemma 2's, where given)."""
         for t, dtype in ((q, q.dtype), (out, q.dtype), (key_blocks, key_blocks.dtype),
                          (value_blocks, key_blocks.dtype)):
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
@@ -77,7 +79,7 @@ class PagedAttentionKernel:
             q.data_ptr(), key_blocks.data_ptr(), value_blocks.data_ptr(), out.data_ptr(),
             query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
             block_table.data_ptr(), len(seq_len), num_heads, num_kv_heads, head_dim,
-            block_size, block_table.shape[1], sliding_window or 0, scale,
+            block_size, block_table.shape[1], sliding_window or 0, scale, softcap or 0.0,
         )
 
 

@@ -34,8 +34,7 @@ and reused by every layer; a model whose layers use different windows
 (Gemma's local and global layers) gets one plan per distinct window, each
 layer reading its own (``PagedAttention.layer_metadata``). With score
 soft-capping (Gemma 2) the SDPA calls compute their scores explicitly
-(``softcapped_attention``); the native kernel has no cap, and the runner does
-not give it such a model.
+(``softcapped_attention``), and the native kernel caps its own.
 """
 
 from __future__ import annotations
@@ -321,7 +320,7 @@ class PagedAttention:
     returns ``[T, Hq, D]``. ``scale`` defaults to ``1/sqrt(D)``. ``kernel``
     runs ``metadata.short`` (required when the metadata has it).
     ``layer_metadata``: the plans of layers whose window is not
-    ``metadata``'s, by layer. ``softcap``: soft-cap the scores (no kernel then).
+    ``metadata``'s, by layer. ``softcap``: soft-cap the scores.
     """
 
     def __init__(
@@ -337,8 +336,6 @@ class PagedAttention:
         plans = [metadata, *(layer_metadata or {}).values()]
         if any(plan.short is not None for plan in plans) and kernel is None:
             raise ValueError("metadata indexes short queries for a native kernel, but none was given")
-        if softcap is not None and kernel is not None:
-            raise ValueError("the native attention kernel does not soft-cap scores")
         self.kv_cache = kv_cache
         self.metadata = metadata
         self.layer_metadata = layer_metadata or {}
@@ -361,7 +358,7 @@ class PagedAttention:
             self.kernel(
                 q.contiguous(), key_blocks, value_blocks, out, short.query_start,
                 short.query_len, short.seq_len, short.block_table,
-                short.sliding_window, scale,
+                short.sliding_window, scale, self.softcap,
             )
         for plan in metadata.batched:
             self._attend_batched(plan, q, key_blocks, value_blocks, out)

@@ -17,10 +17,10 @@ loop describes; ``FusedDecoder.build`` says why not otherwise:
     sandwich: Gemma), norms with or without an offset, SwiGLU or GeGLU,
     whole-head or partial rotary (or none, per layer; Gemma 3's local
     tables), q/k norms per head or whole, per-layer windows (Gemma's global
-    layers), every projection kept in GGUF blocks of a kernel type (a q/k/v
-    bias allowed); no experts, no attention soft-capping (the C attention
-    kernel has none), no LoRA adapters, the C attention kernel and fused ops
-    in use.
+    layers), soft-capped attention scores (Gemma 2), every projection kept
+    in GGUF blocks of a kernel type (a q/k/v bias allowed); no experts (kept
+    as float stacks, they have no C product), no LoRA adapters, the C
+    attention kernel and fused ops in use.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class FusedDecoder:
             activation=ACTIVATIONS[config.mlp_activation], qk_norm=QK_NORMS[config.qk_norm],
             rotary_dim=config.rotary_dim, eps=config.rms_norm_eps,
             scale=scale if scale is not None else config.head_dim ** -0.5,
+            softcap=config.attn_logit_softcapping or 0.0,
         )
         # The norms' weights as the kernels scale by them (offsets added), held here for their pointers.
         self.norm_weights: list[torch.Tensor] = []
@@ -175,7 +176,6 @@ def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel) -> 
         return "the C attention kernel or fused ops are not in use"
     differences = [
         ("mixture-of-experts layers", any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))),
-        ("attention soft-capping", config.attn_logit_softcapping is not None),
         (f"the {config.mlp_activation} activation", config.mlp_activation not in ACTIVATIONS),
         (f"{config.norm_placement} norms", config.norm_placement not in NORM_PLACEMENTS),
     ]

@@ -235,9 +235,7 @@ class ModelRunner(RunnerBase):
             self.model.use_fused_ops(paths.fused_ops)
         self.model.use_quant_kernel(paths.quant_matmul)
         kernel = paths.attention_kernel
-        # The native kernel has no score soft-capping: such models stay on SDPA.
-        fits = (kernel is not None and kernel.supports(dtype, self.kv_cache_dtype)
-                and self.model_config.attn_logit_softcapping is None)
+        fits = kernel is not None and kernel.supports(dtype, self.kv_cache_dtype)
         self.attention_kernel = kernel if fits else None
         self._build_fused_decoder()
 

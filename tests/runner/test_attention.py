@@ -23,12 +23,14 @@ def kernel(request):
     return compiled
 
 
-def dense_attention(q, k, v, first_pos, sliding_window=None):
+def dense_attention(q, k, v, first_pos, sliding_window=None, softcap=None):
     """q [Q, Hq, D] at positions first_pos.., k/v [L, Hkv, D] for positions 0..L-1."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5  # [Hq, Q, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
     k_pos = torch.arange(k.shape[0])[None, :]
     visible = k_pos <= q_pos
@@ -69,7 +71,8 @@ def slots_of(blocks, positions, block_size):
     return [blocks[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_window=None, kernel=None):
+def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_window=None, kernel=None,
+             softcap=None):
     # Cached prefixes are already in the cache.
     for num_cached, _, blocks, keys, values in seqs:
         slots = torch.tensor(slots_of(blocks, range(num_cached), block_size), dtype=torch.long)
@@ -92,7 +95,7 @@ def run_step(cache, seqs, *, num_heads, head_dim, block_size, dtype, sliding_win
         native_short_queries=kernel is not None,
     )
     q = torch.randn(query_start_loc[-1], num_heads, head_dim).to(dtype)
-    out = PagedAttention(cache, metadata, kernel=kernel)(0, q, torch.cat(ks), torch.cat(vs))
+    out = PagedAttention(cache, metadata, kernel=kernel, softcap=softcap)(0, q, torch.cat(ks), torch.cat(vs))
     return q, out, query_start_loc
 
 
@@ -112,6 +115,20 @@ def test_matches_dense_reference_float32(seed, sliding_window, kernel):
     q, out, starts = run_step(cache, seqs, sliding_window=sliding_window, kernel=kernel, **dims)
     for i, (num_cached, query_len, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, sliding_window)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_soft_capped_scores_match_the_dense_reference(seed, kernel):
+    """Gemma 2's cap * tanh(score / cap) before the softmax, on every path (decodes, short
+    and long chunks; the native kernel caps its own scores)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dims = dict(num_heads=4, head_dim=64, block_size=rng.choice([4, 16]), dtype=torch.float32)
+    cache, seqs = make_step(rng, num_seqs=rng.randint(1, 6), num_blocks=256, num_kv_heads=2, **dims)
+    q, out, starts = run_step(cache, seqs, kernel=kernel, softcap=2.0, **dims)
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, softcap=2.0)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
 
 

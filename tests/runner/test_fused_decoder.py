@@ -8,7 +8,8 @@ cache bytes and the same tokens, on every cache dtype, the portable C build
 included, for each architecture's building blocks the loop takes (a q/k/v
 bias, layers without rotary, a sliding window, q/k norms per head and
 whole, post-norm and sandwich layers, offset norms, GeGLU, partial rotary,
-Gemma 3's local rotary tables and global layers) and for speculative
+Gemma 3's local rotary tables and global layers, Gemma 2's soft-capped
+scores) and for speculative
 verification rows.
 """
 
@@ -136,6 +137,8 @@ VARIANTS = {
     "phi3-partial-rotary": {"architecture": "phi3", "partial_rotary_factor": 0.5},
     "gemma3": GEMMA3,
     "gemma3-wide-heads": dict(GEMMA3, num_attention_heads=2, num_key_value_heads=1, head_dim=128),
+    "gemma2-soft-capped": dict(GEMMA3, architecture="gemma2", qk_norm=None, sliding_rope_theta=None,
+                               attn_logit_softcapping=1.5, final_logit_softcapping=30.0),
 }
 
 

@@ -77,7 +77,7 @@ typedef struct {
     int64_t activation;     /* ACT_SILU or ACT_GELU_TANH */
     int64_t qk_norm;        /* QK_NORM_NONE, QK_NORM_PER_HEAD or QK_NORM_WHOLE */
     int64_t rotary_dim;     /* values of each head that turn (head_dim but for partial rotary) */
-    float eps, scale;
+    float eps, scale, softcap; /* softcap: attention scores' cap (Gemma 2's), 0: none */
 } DecoderShape;
 
 enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 };
@@ -162,17 +162,17 @@ static void attend(const DecoderShape *shape, const DecoderLayer *layer, const D
     case CACHE_F32:
         paged_attention_f32(q, layer->key_cache, layer->value_cache, out, step->query_start, step->query_len,
                             step->seq_len, step->block_table, step->num_seqs, Hq, Hkv, D, bs, max_blocks,
-                            window, shape->scale);
+                            window, shape->scale, shape->softcap);
         break;
     case CACHE_F16:
         paged_attention_f32_kvf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
                                   step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
-                                  D, bs, max_blocks, window, shape->scale);
+                                  D, bs, max_blocks, window, shape->scale, shape->softcap);
         break;
     default:
         paged_attention_f32_kvbf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
                                    step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
-                                   D, bs, max_blocks, window, shape->scale);
+                                   D, bs, max_blocks, window, shape->scale, shape->softcap);
     }
 }
 
@@ -317,8 +317,8 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
 }
 
 /* sizeof and field offsets of the structures, for the binding's test:
- * DecoderLayer (size, then 17 offsets), DecoderShape (size, 15), DecoderStep
- * (size, 13), BlockMatrix (size, 3): 52 values. */
+ * DecoderLayer (size, then 17 offsets), DecoderShape (size, 16), DecoderStep
+ * (size, 13), BlockMatrix (size, 3): 53 values. */
 int decoder_struct_layout(int64_t *out) {
 #define PUT(value) (*out++ = (int64_t)(value))
     PUT(sizeof(DecoderLayer));
@@ -339,7 +339,7 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderShape, num_slots)); PUT(offsetof(DecoderShape, norm_placement));
     PUT(offsetof(DecoderShape, activation)); PUT(offsetof(DecoderShape, qk_norm));
     PUT(offsetof(DecoderShape, rotary_dim));
-    PUT(offsetof(DecoderShape, eps)); PUT(offsetof(DecoderShape, scale));
+    PUT(offsetof(DecoderShape, eps)); PUT(offsetof(DecoderShape, scale)); PUT(offsetof(DecoderShape, softcap));
     PUT(sizeof(DecoderStep));
     PUT(offsetof(DecoderStep, num_tokens)); PUT(offsetof(DecoderStep, cos)); PUT(offsetof(DecoderStep, sin));
     PUT(offsetof(DecoderStep, sliding_cos)); PUT(offsetof(DecoderStep, sliding_sin));

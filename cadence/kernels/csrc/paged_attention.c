@@ -9,6 +9,7 @@
  *
  *     for each visible key position p (block_table[p / bs], slot p % bs):
  *         score[r][p] = q[r] . k[p] * scale      for each query row r of the group
+ *         (soft-capped, Gemma 2's: cap * tanh(score / cap))
  *     softmax of each row over the keys it may see
  *     out[r] = sum_p score[r][p] * v[p]
  *
@@ -46,6 +47,7 @@ typedef struct {
     int max_blocks;
     int sliding_window; /* 0: none */
     float scale;
+    float softcap; /* 0: none */
 } AttentionShape;
 
 typedef struct {
@@ -70,6 +72,11 @@ static inline int64_t first_visible(int64_t position, int sliding_window) {
     if (sliding_window <= 0) return 0;
     int64_t first = position - sliding_window + 1;
     return first > 0 ? first : 0;
+}
+
+/* A score soft-capped (cap > 0) as Gemma 2 caps them: cap * tanh(score / cap). */
+static inline float soft_cap(float score, float cap) {
+    return cap > 0.0f ? cap * tanhf(score / cap) : score;
 }
 
 /* In place: row[lo:hi] = softmax(row[lo:hi]). */

@@ -61,7 +61,8 @@ static inline __attribute__((always_inline)) void NAME(attend)(
             if (p > pos || p < first_visible(pos, shape->sliding_window)) continue;
             for (int head = 0; head < Hq; ++head) {
                 int64_t r = j * Hq + head;
-                scores[r * span + (p - key_start)] = dot(q_rows + r * D, keys + (head / G) * D, D);
+                scores[r * span + (p - key_start)] = soft_cap(dot(q_rows + r * D, keys + (head / G) * D, D),
+                                                              shape->softcap);
             }
         }
     }
@@ -105,9 +106,9 @@ void NAME(paged_attention)(const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM 
                            const int64_t *query_len, const int64_t *seq_len,
                            const int32_t *block_table, int64_t num_seqs, int num_heads,
                            int num_kv_heads, int head_dim, int block_size,
-                           int max_blocks, int sliding_window, float scale) {
+                           int max_blocks, int sliding_window, float scale, float softcap) {
     AttentionShape shape = {num_seqs,   num_heads,  num_kv_heads,   head_dim,
-                            block_size, max_blocks, sliding_window, scale};
+                            block_size, max_blocks, sliding_window, scale, softcap};
     SequenceIndex seqs = {query_start, query_len, seq_len, block_table};
     int64_t max_work = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
