@@ -57,6 +57,7 @@ class MetricsRecorder:
         self.num_cached = [0] * n
         self.finished = [False] * n
         self.rejected = [False] * n  # prompt longer than the context: never added
+        self._clients = [s.client for s in specs]
         self.itl = array("d")
         self.timeline = Timeline()
         # Tokens served per client in each SERVICE_WINDOW_S window: {window: {client: tokens}}
@@ -74,7 +75,9 @@ class MetricsRecorder:
 
     def on_step(self, time: float, outputs: dict[int, EngineCoreOutputs]) -> None:
         live, first, last, num_output = self._live, self.first_token, self.last_token, self.num_output
+        clients = self._clients
         itl_append = self.itl.append
+        window = None  # this step's service bucket, made when a token is served
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
                 i = live[out.request_id]
@@ -87,8 +90,9 @@ class MetricsRecorder:
                         first[i] = time
                         self.num_cached[i] = out.num_cached_tokens
                         served += self.specs[i].prompt_tokens
-                    window = self.service.setdefault(int(time / SERVICE_WINDOW_S), {})
-                    client = self.specs[i].client
+                    if window is None:
+                        window = self.service.setdefault(int(time / SERVICE_WINDOW_S), {})
+                    client = clients[i]
                     window[client] = window.get(client, 0) + served
                     if num_new > 1:  # several tokens in one step (drafts accepted)
                         self.itl.extend([0.0] * (num_new - 1))

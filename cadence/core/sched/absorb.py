@@ -87,13 +87,18 @@ class OutputAbsorber:
             index = req_id_to_index[req_id]
             new_token_ids = sampled_token_ids[index] if sampled_token_ids else []
             if plain_step and len(new_token_ids) == 1 and request.fork_point is None:
-                kv_transfer_params = None
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
                 if append_token(request, new_token_ids[0], max_model_len):
                     num_stopped += 1
-                    kv_transfer_params = free_request(request)
-                output = make_engine_core_output(request, new_token_ids, None, None, kv_transfer_params)
+                    output = make_engine_core_output(request, new_token_ids, None, None, free_request(request))
+                else:  # still running: no finish reason, nothing but the token (and events)
+                    output = EngineCoreOutput(
+                        req_id, new_token_ids, stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                        events=request.take_events() if request.events else None,
+                        parent_request_id=request.parent_request_id,
+                    )
             else:
                 if scheduled_drafts and scheduled_drafts.get(req_id):
                     spec_stats = self._roll_back_rejected(
