@@ -123,6 +123,10 @@ def _add_data_parallel_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-routing", dest="dp_routings", default="cache_aware",
                         help="with --data-parallel-size > 1: routing policies to compare, comma "
                              "separated: round_robin, least_loaded, cache_aware (default: cache_aware)")
+    parser.add_argument("--parallel-replicas", action="store_true",
+                        help="with --data-parallel-size > 1: run the replicas in parallel processes, "
+                             "the same results (round_robin routing only: the others read every "
+                             "replica's state at each arrival)")
 
 
 def _add_disaggregation_options(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +199,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.save_trace:
         write_trace(args.save_trace, specs)
     cost_model = make_cost_model(args.cost_model, args.model_config)
+    if args.parallel_replicas and (num_replicas < 2 or args.prefill_decode is not None):
+        raise ValueError("parallel_replicas: runs the replicas of --data-parallel-size > 1 "
+                         "(not with --prefill-decode)")
     if args.prefill_decode is not None:
         if num_replicas > 1 or kv_tier is not None:
             raise ValueError("prefill_decode: combines with neither --data-parallel-size nor "
@@ -254,11 +261,19 @@ def _simulate_replicas(args: argparse.Namespace, specs: list, policies: list[str
     routings = [r.strip() for r in args.dp_routings.split(",") if r.strip()]
     for routing in routings:  # each refused as the server refuses it
         RouterConfig(dp_routing=routing)
+    if args.parallel_replicas:
+        from cadence.sim.replica_pool import PARALLEL_ROUTINGS
+
+        shared = [routing for routing in routings if routing not in PARALLEL_ROUTINGS]
+        if shared:
+            raise ValueError(f"parallel_replicas: routing {', '.join(shared)} reads every replica's "
+                             f"state at each arrival; only {', '.join(PARALLEL_ROUTINGS)} runs apart")
     scheduler = dataclasses.replace(options.scheduler, policy=policies[0],
                                     **policy_options.get(policies[0], {}))
     runs = compare_routing(specs, routings, options.parallel.data_parallel_size, scheduler, options.cache,
                            cost_model, load_margin_tokens=margin,
-                           charge_host_time=args.charge_host_time)
+                           charge_host_time=args.charge_host_time,
+                           parallel_replicas=args.parallel_replicas)
     return ({label: run for label, (run, _) in runs.items()},
             {label: counts for label, (_, counts) in runs.items()})
 

@@ -25,7 +25,7 @@ import heapq
 import itertools
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cadence.config import CacheConfig, SchedulerConfig
 from cadence.core.kv_cache.events import KVCacheEvent
@@ -119,21 +119,32 @@ class ReplicaFleet:
         self.factory = RequestFactory(prompt_maker or PromptMaker(), scheduler_config.max_model_len)
         self._events: list[tuple] = []  # (time, kind, seq, payload), a heap
         self._seq = itertools.count()
+        self._step_end: float | None = None  # the end of the step the current event started
 
-    def run(self, specs: Sequence[RequestSpec], label: str | None = None) -> SimResult:
+    def run(self, specs: Sequence[RequestSpec], label: str | None = None, *,
+            arrivals: Sequence[int] | None = None,
+            on_event: Callable[[int, float, float | None, MetricsRecorder], None] | None = None,
+            ) -> SimResult:
+        """Simulate ``specs`` on the fleet. ``arrivals``: the indices of the specs
+        that arrive (all by default); ``on_event(kind, time, end, recorder)``:
+        called after each event with the end of the step it started (or None),
+        for ``cadence.sim.replica_pool``, which runs replicas apart."""
         refuse_later_turns(specs, "data_parallel_size")
         recorder = MetricsRecorder(specs)
         start = time.perf_counter()
-        for index, spec in enumerate(specs):
-            self._push(spec.arrival_time, _ARRIVAL, index)
+        for index in range(len(specs)) if arrivals is None else arrivals:
+            self._push(specs[index].arrival_time, _ARRIVAL, index)
         now = 0.0
         with _gc_paused():
             while self._events:
                 now, kind, _, payload = heapq.heappop(self._events)
+                self._step_end = None
                 if kind == _ARRIVAL:
                     self._arrive(now, payload, specs, recorder)
                 else:
                     self._end_step(now, *payload, recorder)
+                if on_event is not None:
+                    on_event(kind, now, self._step_end, recorder)
         self._check_all_done()
         simulators = [replica.simulator for replica in self.replicas]
         return SimResult(
@@ -176,6 +187,7 @@ class ReplicaFleet:
         if replica.can_step():
             end, outputs, events = replica.step(now)
             self._push(end, _STEP_END, (rank, outputs, events))
+            self._step_end = end
 
     def _end_step(self, now: float, rank: int, outputs: Any, events: list[KVCacheEvent],
                   recorder: MetricsRecorder) -> None:
@@ -202,12 +214,22 @@ class ReplicaFleet:
 def compare_routing(specs: Sequence[RequestSpec], routings: Sequence[str], num_replicas: int,
                     scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                     cost_model: CostModel, *, load_margin_tokens: int = 8192,
-                    charge_host_time: bool = False) -> dict[str, tuple[SimResult, list[int]]]:
+                    charge_host_time: bool = False, parallel_replicas: bool = False,
+                    ) -> dict[str, tuple[SimResult, list[int]]]:
     """The same specs (the same prompts) on ``num_replicas`` replicas under each
-    routing policy: per policy, the run and the requests each replica got."""
+    routing policy: per policy, the run and the requests each replica got.
+    ``parallel_replicas``: each replica in a process of its own, the same
+    results (round robin only, ``cadence.sim.replica_pool``)."""
+    from cadence.sim.replica_pool import ParallelReplicaFleet
+
     results = {}
     for routing in routings:
-        fleet = ReplicaFleet(num_replicas, routing, scheduler_config, cache_config, cost_model,
-                             load_margin_tokens=load_margin_tokens, charge_host_time=charge_host_time)
+        if parallel_replicas:
+            fleet: ReplicaFleet | ParallelReplicaFleet = ParallelReplicaFleet(
+                num_replicas, routing, scheduler_config, cache_config, cost_model,
+                charge_host_time=charge_host_time)
+        else:
+            fleet = ReplicaFleet(num_replicas, routing, scheduler_config, cache_config, cost_model,
+                                 load_margin_tokens=load_margin_tokens, charge_host_time=charge_host_time)
         results[routing] = (fleet.run(specs, label=routing), fleet.requests_per_replica())
     return results
