@@ -118,14 +118,43 @@ class ParallelReplicaFleet:
         return [next(turn) if fit else None for fit in fits]
 
     def _run_replicas(self, specs: Sequence[RequestSpec], arrivals: list[list[int]]) -> list[ReplicaLog]:
-        jobs = [(rank, specs, indices, self.fleet_args, self.prompt_maker, self.charge_host_time)
-                for rank, indices in enumerate(arrivals)]
+        run = _Run(specs, self.fleet_args, self.prompt_maker, self.charge_host_time)
+        ranks = range(self.num_replicas)
         if self.max_workers <= 1:
-            return [_run_one(*job) for job in jobs]
-        # fork where there is one: the workers inherit the specs instead of unpickling them.
+            return [run.replica(rank, indices) for rank, indices in zip(ranks, arrivals)]
+        # fork where there is one: the workers inherit the run (the specs) instead
+        # of unpickling it; elsewhere each worker unpickles it once.
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-        with ProcessPoolExecutor(self.max_workers, mp_context=multiprocessing.get_context(method)) as pool:
-            return list(pool.map(_run_one, *zip(*jobs)))
+        with ProcessPoolExecutor(self.max_workers, mp_context=multiprocessing.get_context(method),
+                                 initializer=_set_worker_run, initargs=(run,)) as pool:
+            return list(pool.map(_run_replica_in_worker, ranks, arrivals))
+
+
+@dataclass
+class _Run:
+    """What every replica's worker needs, handed to each worker once."""
+
+    specs: Sequence[RequestSpec]
+    fleet_args: tuple  # scheduler config, cache config, cost model
+    prompt_maker: PromptMaker
+    charge_host_time: bool
+
+    def replica(self, rank: int, indices: list[int]) -> ReplicaLog:
+        return _run_one(rank, self.specs, indices, self.fleet_args, self.prompt_maker,
+                        self.charge_host_time)
+
+
+_worker_run: _Run | None = None  # in a worker process: the run it serves
+
+
+def _set_worker_run(run: _Run) -> None:
+    global _worker_run
+    _worker_run = run
+
+
+def _run_replica_in_worker(rank: int, indices: list[int]) -> ReplicaLog:
+    assert _worker_run is not None, "the pool's initializer sets the run"
+    return _worker_run.replica(rank, indices)
 
 
 def _run_one(rank: int, specs: Sequence[RequestSpec], indices: list[int], fleet_args: tuple,
