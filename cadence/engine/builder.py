@@ -25,6 +25,7 @@ from cadence.engine.kv_connectors import make_kv_connector_scheduler, make_kv_co
 from cadence.engine.kv_events import publisher_for
 from cadence.models import LlamaForCausalLM, ModelConfig, Tokenizer, load_model
 from cadence.runner.device_setup import DeviceSetup, device_setup
+from cadence.runner.kv_cache import cache_dtype_name
 from cadence.runner.load_plan import dtype_name, plan_load
 from cadence.runner.model_runner import ModelRunner
 from cadence.structured import GrammarBackendBase, make_grammar_backend
@@ -74,7 +75,7 @@ def assemble_engine(
     setup = device_setup(options, model, model_config, log)
     num_blocks = setup.num_kv_blocks(scheduler_config)
     cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks,
-                                       kv_cache_dtype=dtype_name(setup.kv_cache_dtype))
+                                       kv_cache_dtype=cache_dtype_name(setup.kv_cache_dtype))
     scheduler_config = _fit_to_cache(scheduler_config, num_blocks * cache_config.block_size, log)
     setup.log_kv_cache(num_blocks, cache_config.block_size)
     grammar_backend = None if tokenizer is None else make_grammar_backend(

@@ -19,7 +19,7 @@ _PTR, _I64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAX_PARTS = 3
 # The cache's element type, the layers' norm placement, the MLP's activation,
 # the q/k norm and a layer's rotary tables, as the C side numbers them.
-CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}  # uint8: q8_0 blocks
 NORM_PLACEMENTS = {"pre": 0, "post": 1, "sandwich": 2}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 QK_NORMS = {None: 0, "per_head": 1, "whole": 2}
@@ -102,9 +102,9 @@ class DecoderStackKernel:
             raise ValueError(f"decoder_stack: the kernels refused their arguments (status {status})")
 
     def store_row(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """float32 x [n] as the C side stores it in a cache of ``dtype``."""
+        """float32 x [n] as the C side stores it in a cache of ``dtype`` (uint8: q8_0 bytes)."""
         x = x.to(torch.float32).contiguous()
-        out = torch.empty(x.numel(), dtype=dtype)
+        out = torch.empty(x.numel() // 32 * 34 if dtype == torch.uint8 else x.numel(), dtype=dtype)
         if self._functions["decoder_store_row"](x.data_ptr(), x.numel(), CACHE_DTYPES[dtype], out.data_ptr()):
             raise ValueError(f"decoder_store_row: no cache of {dtype}")
         return out

@@ -19,6 +19,7 @@ SUFFIXES = {
     (torch.bfloat16, torch.bfloat16): "bf16",
     (torch.float32, torch.float16): "f32_kvf16",
     (torch.float32, torch.bfloat16): "f32_kvbf16",
+    (torch.float32, torch.uint8): "f32_kvq8_0",  # q8_0 blocks (cadence.runner.kv_quant)
 }
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int

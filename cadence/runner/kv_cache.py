@@ -17,11 +17,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cadence.runner import kv_quant
 from cadence.runner.cpu_paths import DTYPES
 from cadence.runner.host_memory import untouched_zeros
 
 if TYPE_CHECKING:
     from cadence.models.config import ModelConfig
+
+
+# The cache dtypes an option names: the float types, and q8_0 blocks (see kv_quant).
+CACHE_DTYPES = DTYPES | {"q8_0": kv_quant.Q8_0}
+
+
+def cache_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``float16``, the q8_0 cache's storage -> ``q8_0``, as options spell them."""
+    return next(name for name, value in CACHE_DTYPES.items() if value == dtype)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -33,9 +43,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     """
     if name == "auto":
         return model_dtype
-    if name not in DTYPES:
-        raise ValueError(f"kv_cache_dtype: must be auto or one of {tuple(DTYPES)}, got {name!r}")
-    dtype = DTYPES[name]
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: must be auto or one of {tuple(CACHE_DTYPES)}, got {name!r}")
+    dtype = CACHE_DTYPES[name]
     if device.type != "cpu" and dtype != model_dtype:
         raise ValueError(f"kv_cache_dtype: {name} differs from the model's "
                          f"{str(model_dtype).removeprefix('torch.')}; on {device.type} the cache "
@@ -45,8 +55,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
 
 def bytes_per_block(model_config: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
     """Memory one block takes across all layers, keys and values together."""
-    itemsize = dtype.itemsize
-    per_token = model_config.num_key_value_heads * model_config.head_dim * itemsize
+    per_token = model_config.num_key_value_heads * kv_quant.row_elements(model_config.head_dim, dtype) * dtype.itemsize
     return 2 * model_config.num_hidden_layers * block_size * per_token
 
 
@@ -82,7 +91,8 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> "PagedKVCache":
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        kv_quant.check_head_dim(head_dim, dtype)
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, kv_quant.row_elements(head_dim, dtype))
         # Zeros, not empty: padded reads of unused slots must never see NaN/inf
         # (they are masked out, but 0 * NaN would still poison a softmax).
         if torch.device(device).type == "cpu":
@@ -129,8 +139,14 @@ class PagedKVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache holds q8_0 blocks (``kv_quant``), not float values."""
+        return self.data.dtype == kv_quant.Q8_0
+
     def keys(self, layer_idx: int) -> torch.Tensor:
-        """Key blocks of one layer, ``[num_blocks, block_size, Hkv, D]`` (a view)."""
+        """Key blocks of one layer, ``[num_blocks, block_size, Hkv, D]`` (a view; for
+        q8_0, D / 32 * 34 bytes per head)."""
         return self.data[layer_idx, 0]
 
     def values(self, layer_idx: int) -> torch.Tensor:
@@ -143,7 +159,12 @@ class PagedKVCache:
         """Store new keys/values ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]`` (int64)."""
         # 2-D views [num_slots, Hkv*D]: one row copy per token (fast on CPU).
         num_slots, row = self.num_slots, k.shape[1] * k.shape[2]
-        keys = self.keys(layer_idx).view(num_slots, row)
-        values = self.values(layer_idx).view(num_slots, row)
-        keys.index_copy_(0, slot_mapping, k.reshape(-1, row).to(self.data.dtype))
-        values.index_copy_(0, slot_mapping, v.reshape(-1, row).to(self.data.dtype))
+        stored = kv_quant.row_elements(row, self.data.dtype)
+        keys = self.keys(layer_idx).view(num_slots, stored)
+        values = self.values(layer_idx).view(num_slots, stored)
+        keys.index_copy_(0, slot_mapping, self._stored(k.reshape(-1, row)))
+        values.index_copy_(0, slot_mapping, self._stored(v.reshape(-1, row)))
+
+    def _stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of values as the cache holds them."""
+        return kv_quant.encode(rows) if self.quantized else rows.to(self.data.dtype)

@@ -86,6 +86,39 @@ static inline void f16_row_to_float(float *dst, const uint16_t *src, int n) {
     for (; i < n; ++i) dst[i] = f16_to_float(src[i]);
 }
 
+/* A q8_0 cache row (llama.cpp's block_q8_0, as --cache-type-k q8_0 keeps
+ * keys): each 32 values are 34 bytes, a float16 scale d then 32 int8 q,
+ * value = d * q. Written with d = max|x| / 127 and q = x / d rounded to
+ * nearest even (as torch.round, so the PyTorch path writes the same bytes:
+ * cadence/runner/kv_quant.py). n is a multiple of Q8_0_VALUES. */
+#define Q8_0_VALUES 32
+#define Q8_0_BYTES 34
+
+static inline void q8_0_row_to_float(float *dst, const uint8_t *src, int n) {
+    for (int b = 0; b < n / Q8_0_VALUES; ++b, src += Q8_0_BYTES, dst += Q8_0_VALUES) {
+        uint16_t half;
+        memcpy(&half, src, sizeof half);
+        const float d = f16_to_float(half);
+        const int8_t *q = (const int8_t *)(src + 2);
+        for (int i = 0; i < Q8_0_VALUES; ++i) dst[i] = d * (float)q[i];
+    }
+}
+
+static inline void float_row_to_q8_0(uint8_t *dst, const float *src, int64_t n) {
+    for (int64_t b = 0; b < n / Q8_0_VALUES; ++b, src += Q8_0_VALUES, dst += Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_0_VALUES; ++i) {
+            float a = src[i] < 0 ? -src[i] : src[i];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t half = float_to_f16(d);
+        memcpy(dst, &half, sizeof half);
+        int8_t *q = (int8_t *)(dst + 2);
+        for (int i = 0; i < Q8_0_VALUES; ++i) q[i] = (int8_t)__builtin_rintf(src[i] * inverse);
+    }
+}
+
 /* e^x to about 1 ulp for float32, in plain arithmetic the compiler can
  * vectorise (expf is a library call it leaves scalar): x = n ln2 + r with
  * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, times 2^n. */

@@ -71,7 +71,7 @@ typedef struct {
 /* The model's sizes and building blocks. */
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t cache_dtype; /* CACHE_F32, CACHE_F16 or CACHE_BF16 */
+    int64_t cache_dtype; /* CACHE_F32, CACHE_F16, CACHE_BF16 or CACHE_Q8_0 */
     int64_t block_size, num_slots; /* num_slots: blocks x block_size */
     int64_t norm_placement; /* NORM_PRE, NORM_POST or NORM_SANDWICH */
     int64_t activation;     /* ACT_SILU or ACT_GELU_TANH */
@@ -80,7 +80,7 @@ typedef struct {
     float eps, scale, softcap; /* softcap: attention scores' cap (Gemma 2's), 0: none */
 } DecoderShape;
 
-enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 };
+enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2, CACHE_Q8_0 = 3 };
 enum { NORM_PRE = 0, NORM_POST = 1, NORM_SANDWICH = 2 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum { QK_NORM_NONE = 0, QK_NORM_PER_HEAD = 1, QK_NORM_WHOLE = 2 };
@@ -97,10 +97,18 @@ typedef struct {
     int64_t num_seqs, max_blocks, sliding_window;
 } DecoderStep;
 
+/* Bytes n values take in the cache (n a multiple of Q8_0_VALUES for q8_0). */
+static size_t cache_bytes(int64_t n, int64_t cache_dtype) {
+    if (cache_dtype == CACHE_Q8_0) return (size_t)(n / Q8_0_VALUES * Q8_0_BYTES);
+    return (size_t)n * (cache_dtype == CACHE_F32 ? sizeof(float) : sizeof(uint16_t));
+}
+
 /* n floats stored as the cache's element type. */
 static void store_row(void *dst, const float *src, int64_t n, int64_t cache_dtype) {
     if (cache_dtype == CACHE_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (cache_dtype == CACHE_Q8_0) {
+        float_row_to_q8_0((uint8_t *)dst, src, n);
     } else if (cache_dtype == CACHE_BF16) {
         uint16_t *out = (uint16_t *)dst;
         for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(src[i]);
@@ -118,7 +126,8 @@ static void store_row(void *dst, const float *src, int64_t n, int64_t cache_dtyp
 
 /* n floats as the cache stores them (for the tests of the rounding). */
 int decoder_store_row(const float *src, int64_t n, int64_t cache_dtype, void *dst) {
-    if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_BF16) return -1;
+    if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_Q8_0) return -1;
+    if (cache_dtype == CACHE_Q8_0 && n % Q8_0_VALUES) return -1;
     store_row(dst, src, n, cache_dtype);
     return 0;
 }
@@ -141,12 +150,12 @@ static int project(const BlockMatrix *parts, int64_t num_parts, int64_t k, const
 static int write_cache(const DecoderShape *shape, const DecoderLayer *layer, const DecoderStep *step,
                         const float *qkv, int64_t qkv_width) {
     const int64_t q_size = shape->num_heads * shape->head_dim, kv_size = shape->num_kv_heads * shape->head_dim;
-    const size_t element = shape->cache_dtype == CACHE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t row_bytes = cache_bytes(kv_size, shape->cache_dtype);
     for (int64_t t = 0; t < step->num_tokens; ++t)
         if (step->slot_mapping[t] < 0 || step->slot_mapping[t] >= shape->num_slots) return -1;
     for (int64_t t = 0; t < step->num_tokens; ++t) {
         const float *row = qkv + t * qkv_width + q_size;
-        const size_t offset = (size_t)step->slot_mapping[t] * (size_t)kv_size * element;
+        const size_t offset = (size_t)step->slot_mapping[t] * row_bytes;
         store_row((char *)layer->key_cache + offset, row, kv_size, shape->cache_dtype);
         store_row((char *)layer->value_cache + offset, row + kv_size, kv_size, shape->cache_dtype);
     }
@@ -168,6 +177,11 @@ static void attend(const DecoderShape *shape, const DecoderLayer *layer, const D
         paged_attention_f32_kvf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
                                   step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
                                   D, bs, max_blocks, window, shape->scale, shape->softcap);
+        break;
+    case CACHE_Q8_0:
+        paged_attention_f32_kvq8_0(q, layer->key_cache, layer->value_cache, out, step->query_start,
+                                   step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
+                                   D, bs, max_blocks, window, shape->scale, shape->softcap);
         break;
     default:
         paged_attention_f32_kvbf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
@@ -291,6 +305,7 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
                   const DecoderStep *step, float *hidden, float *out) {
     const int64_t T = step->num_tokens, H = shape->hidden;
     if (T == 0) return 0;
+    if (shape->cache_dtype == CACHE_Q8_0 && shape->head_dim % Q8_0_VALUES) return -1;
     if (shape->rotary_dim < 2 || shape->rotary_dim > shape->head_dim || shape->rotary_dim % 2) return -1;
     for (int64_t l = 0; l < shape->num_layers; ++l) {
         const DecoderLayer *layer = &layers[l];

@@ -102,8 +102,8 @@ static int64_t work_floats(const AttentionShape *shape, const SequenceIndex *seq
 
 /* One copy of the kernel per (query, cache) element type pair:
  * paged_attention_f32 and _bf16 (cache in the model's dtype), and
- * paged_attention_f32_kvf16 and _f32_kvbf16 (a float32 model over a
- * half-width cache, --kv-cache-dtype). */
+ * paged_attention_f32_kvf16, _f32_kvbf16 and _f32_kvq8_0 (a float32 model
+ * over a half-width or q8_0 cache, --kv-cache-dtype). */
 #define PASTE(a, b) a##_##b
 #define EXPAND_PASTE(a, b) PASTE(a, b)
 #define NAME(name) EXPAND_PASTE(name, SUFFIX)
@@ -112,6 +112,7 @@ static int64_t work_floats(const AttentionShape *shape, const SequenceIndex *seq
 #define ELEM float
 #define LOAD(x) (x)
 #define STORE(x) (x)
+#define KV_ROW_ELEMS(n) (n)
 #define KV_ELEM float
 #define KV_IS_FLOAT 1
 #include "paged_attention_impl.h"
@@ -131,12 +132,27 @@ static int64_t work_floats(const AttentionShape *shape, const SequenceIndex *seq
 #define KV_ROW_TO_FLOAT bf16_row_to_float
 #include "paged_attention_impl.h"
 #undef SUFFIX
+#undef KV_ROW_TO_FLOAT
+
+#undef KV_ELEM
+#undef KV_ROW_ELEMS
+#define SUFFIX f32_kvq8_0
+#define KV_ELEM uint8_t
+#define KV_ROW_ELEMS(n) ((n) / Q8_0_VALUES * Q8_0_BYTES)
+#define KV_ROW_TO_FLOAT q8_0_row_to_float
+#include "paged_attention_impl.h"
+#undef SUFFIX
+#undef KV_ELEM
+#undef KV_ROW_ELEMS
+#undef KV_ROW_TO_FLOAT
 #undef ELEM
 #undef LOAD
 #undef STORE
 
-/* (KV_ELEM, KV_IS_FLOAT and KV_ROW_TO_FLOAT stay bfloat16's.) */
 #define SUFFIX bf16
+#define KV_ELEM uint16_t
+#define KV_ROW_ELEMS(n) (n)
+#define KV_ROW_TO_FLOAT bf16_row_to_float
 #define ELEM uint16_t
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)

@@ -2,7 +2,8 @@
  * types: the includer defines ELEM (the type of q and out), LOAD (ELEM ->
  * float), STORE (float -> ELEM), KV_ELEM (the type of the cache),
  * KV_IS_FLOAT (1 when KV_ELEM is float), KV_ROW_TO_FLOAT(dst, src, n) (n
- * cache values widened to float) and NAME(x) (x with the pair's suffix). */
+ * cache values widened to float), KV_ROW_ELEMS(n) (the KV_ELEMs that hold n
+ * values: n, or q8_0's bytes) and NAME(x) (x with the pair's suffix). */
 
 /* dst[i] = src[i] * scale, as float. */
 static inline void NAME(load_row)(float *dst, const ELEM *src, int n, float scale) {
@@ -13,7 +14,7 @@ static inline void NAME(load_row)(float *dst, const ELEM *src, int n, float scal
  * caches are read in place; others are converted into ``buffer``. */
 static inline const float *NAME(token_row)(const KV_ELEM *cache, int64_t slot, int width,
                                            float *buffer) {
-    const KV_ELEM *row = cache + slot * width;
+    const KV_ELEM *row = cache + slot * KV_ROW_ELEMS(width);
 #if KV_IS_FLOAT
     (void)buffer;
     return (const float *)row;
@@ -27,8 +28,8 @@ static inline const float *NAME(token_row)(const KV_ELEM *cache, int64_t slot, i
  * different blocks at every block boundary, where the hardware cannot guess. */
 static inline void NAME(prefetch_token)(const KV_ELEM *cache, const int32_t *blocks, int64_t p,
                                         int bs, int width) {
-    const char *row = (const char *)(cache + ((int64_t)blocks[p / bs] * bs + p % bs) * width);
-    for (int64_t offset = 0; offset < (int64_t)(width * sizeof(KV_ELEM)); offset += 64)
+    const char *row = (const char *)(cache + ((int64_t)blocks[p / bs] * bs + p % bs) * KV_ROW_ELEMS(width));
+    for (int64_t offset = 0; offset < (int64_t)(KV_ROW_ELEMS(width) * sizeof(KV_ELEM)); offset += 64)
         __builtin_prefetch(row + offset, 0, 3);
 }
 
