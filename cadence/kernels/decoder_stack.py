@@ -24,6 +24,7 @@ NORM_PLACEMENTS = {"pre": 0, "post": 1, "sandwich": 2}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 QK_NORMS = {None: 0, "per_head": 1, "whole": 2}
 ROTARY_NONE, ROTARY_MAIN, ROTARY_SLIDING = 0, 1, 2
+TYPE_F32_ROWS = 0  # a BlockMatrix of float32 rows (ggml's F32): a router kept in float
 
 
 class BlockMatrix(ctypes.Structure):
@@ -32,8 +33,15 @@ class BlockMatrix(ctypes.Structure):
     _fields_ = [("type", _I64), ("blocks", _PTR), ("rows", _I64)]
 
 
+class ExpertMatrices(ctypes.Structure):
+    """One routed expert's SwiGLU matrices: gate|up in parts, down."""
+
+    _fields_ = [("gate_up", BlockMatrix * MAX_PARTS), ("gate_up_parts", _I64), ("down", BlockMatrix)]
+
+
 class DecoderLayer(ctypes.Structure):
-    """One layer's weights (float32 norms, block matrices) and its key/value caches."""
+    """One layer's weights (float32 norms, block matrices) and its key/value caches.
+    ``experts`` ([E] ExpertMatrices, with ``router``) makes its MLP routed experts; NULL: the dense one."""
 
     _fields_ = [
         ("input_norm", _PTR), ("post_attention_norm", _PTR),
@@ -43,6 +51,7 @@ class DecoderLayer(ctypes.Structure):
         ("o", BlockMatrix),
         ("gate_up", BlockMatrix * MAX_PARTS), ("gate_up_parts", _I64),
         ("down", BlockMatrix),
+        ("router", BlockMatrix), ("experts", _PTR),
         ("key_cache", _PTR), ("value_cache", _PTR),
         ("rotary", _I64), ("full_attention", _I64),
     ]
@@ -50,13 +59,15 @@ class DecoderLayer(ctypes.Structure):
 
 class DecoderShape(ctypes.Structure):
     """The model's sizes and building blocks, the cache's element type, the norms' eps, attention's
-    scale and soft-cap (0: none)."""
+    scale and soft-cap (0: none), and the routed experts' sizes (0 experts: none)."""
 
     _fields_ = [
         ("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
         ("head_dim", _I64), ("intermediate", _I64), ("cache_dtype", _I64), ("block_size", _I64),
         ("num_slots", _I64), ("norm_placement", _I64), ("activation", _I64), ("qk_norm", _I64),
         ("rotary_dim", _I64), ("eps", _FLOAT), ("scale", _FLOAT), ("softcap", _FLOAT),
+        ("num_experts", _I64), ("experts_per_token", _I64), ("expert_intermediate", _I64),
+        ("norm_topk_prob", _I64),
     ]
 
 
@@ -80,7 +91,7 @@ SIGNATURES = {
     # out: sizeof and offsets of the structures
     "decoder_struct_layout": [_PTR],
 }
-STRUCTURES = (DecoderLayer, DecoderShape, DecoderStep, BlockMatrix)
+STRUCTURES = (DecoderLayer, DecoderShape, DecoderStep, BlockMatrix, ExpertMatrices)
 
 
 class DecoderStackKernel:
@@ -110,8 +121,9 @@ class DecoderStackKernel:
         return out
 
     def struct_layout(self) -> list[int]:
-        """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep and BlockMatrix, as C lays them out."""
-        out = (ctypes.c_int64 * 53)()
+        """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep, BlockMatrix and
+        ExpertMatrices, as C lays them out."""
+        out = (ctypes.c_int64 * 63)()
         self._functions["decoder_struct_layout"](out)
         return list(out)
 

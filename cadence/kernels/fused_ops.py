@@ -26,6 +26,12 @@ SIGNATURES = {
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "gelu_tanh_mul": [_PTR, _PTR, _I64, _I64],
 }
+# float32 only: a mixture of experts' router product, routing and combining.
+MOE_SIGNATURES = {
+    "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
+    "moe_route_f32": [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR],
+    "moe_combine_f32": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR],
+}
 
 
 class FusedOps:
@@ -33,7 +39,7 @@ class FusedOps:
 
     # What a model may ask of it (the GPU twin, ``TritonFusedOps``, has fewer).
     OPERATIONS = frozenset({"rms_norm", "offset_rms_norm", "rotary", "partial_rotary", "head_rms_norm",
-                            "silu_mul", "gelu_tanh_mul"})
+                            "silu_mul", "gelu_tanh_mul", "moe_route"})
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
@@ -42,6 +48,10 @@ class FusedOps:
                 function = getattr(library, f"{name}_{suffix}")
                 function.restype, function.argtypes = None, argtypes
                 self._functions[name, dtype] = function
+        for name, argtypes in MOE_SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = None, argtypes
+            self._functions[name, torch.float32] = function
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether CPU tensors of ``dtype`` can go through these functions."""
@@ -114,6 +124,51 @@ class FusedOps:
         out = torch.empty(num_tokens, width // 2, dtype=gate_up.dtype)
         self._functions[name, gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), num_tokens, width // 2)
         return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """float32 ``x [T, K] @ weight.T`` -> [T, N] for weight [N, K], each sum in one fixed order
+        (the router's product: the one-call decoder computes it with the same function)."""
+        _check_float32("linear", x, weight)
+        if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"linear: x [T, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        self._functions["linear_f32", torch.float32](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                                                     weight.shape[0], out.data_ptr())
+        return out
+
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits float32 [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]), best first:
+        softmax, the k largest (ties: the lower id first), renormalised to sum to 1 with ``normalize``."""
+        _check_float32("moe_route", logits)
+        if logits.dim() != 2 or not 0 < k <= logits.shape[1]:
+            raise ValueError(f"moe_route: logits [T, E] with 0 < k <= E, got {tuple(logits.shape)} and k={k}")
+        weights = torch.empty(logits.shape[0], k, dtype=torch.float32)
+        ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
+        self._functions["moe_route_f32", torch.float32](logits.data_ptr(), logits.shape[0], logits.shape[1], k,
+                                                        int(normalize), weights.data_ptr(), ids.data_ptr())
+        return weights, ids
+
+    def moe_combine(self, outs: torch.Tensor, pair_rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """out [T, H]: row t = sum over j < k, in order, of ``weights[t, j] * outs[pair_rows[t, j]]``
+        (outs float32 [pairs, H]: each (token, expert) pair's expert output; pair_rows int64 [T, k])."""
+        _check_float32("moe_combine", outs, weights)
+        if pair_rows.dtype != torch.int64 or not pair_rows.is_contiguous() or pair_rows.shape != weights.shape \
+                or outs.dim() != 2 or pair_rows.numel() and not 0 <= int(pair_rows.min()) <= int(pair_rows.max()) \
+                < outs.shape[0]:
+            raise ValueError(f"moe_combine: pair_rows must be int64 [T, k] rows of outs [{outs.shape[0]}, H], "
+                             f"got {pair_rows.dtype} {tuple(pair_rows.shape)}")
+        rows, k = weights.shape
+        out = torch.empty(rows, outs.shape[1], dtype=torch.float32)
+        self._functions["moe_combine_f32", torch.float32](outs.data_ptr(), pair_rows.data_ptr(), weights.data_ptr(),
+                                                          rows, k, outs.shape[1], out.data_ptr())
+        return out
+
+
+def _check_float32(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: tensors must be contiguous float32 on the CPU, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:

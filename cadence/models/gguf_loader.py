@@ -23,7 +23,8 @@ Gemma files hold every RMSNorm weight plus one: the converter folds Gemma's
 so the model computes ``1 + weight`` as from a Hugging Face folder.
 
 Mixture-of-experts files stack the experts (``blk.N.ffn_up_exps.weight``
-[E, I, H]); each expert's slice goes in under its Hugging Face name.
+[E, I, H]); each expert's slice goes in under its Hugging Face name, as
+blocks (expert e's I rows of blocks from row e * I) where the type is kept.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def load_gguf_model(reader: GGUFFile | GGUFSplit, metadata: dict[str, Any], dtyp
                     quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model a GGUF describes, weights dequantized to ``dtype``, or, with
     ``quantization`` auto or gguf, the matmul weights of a quantized kernel's type
-    kept in their blocks (``keeps_quantized`` says which; stacked experts are dequantized)."""
+    kept in their blocks (``keeps_quantized`` says which; stacked experts too, per expert)."""
     config = gguf_model_config(reader, metadata)
     model = LlamaForCausalLM(config, dtype)
     model.load_weights(_hf_named_tensors(reader, config, dtype, quantization))
@@ -160,13 +161,15 @@ def _hf_named_tensors(reader: GGUFFile | GGUFSplit, config: ModelConfig, dtype: 
         # Fails fast on tensors we have no place for.
         name = None if expert_names else hf_tensor_name(tensor.name, config.architecture)
         shape = tuple(reversed([int(n) for n in tensor.shape]))  # GGUF lists dims fastest-first
-        if not expert_names and len(shape) == 2 and keeps_quantized(tensor.name, tensor.tensor_type, quantization):
-            value = QuantizedTensor.from_gguf(tensor.tensor_type, tensor.data, shape)
+        matrix = len(shape) == (3 if expert_names else 2)
+        if matrix and keeps_quantized(tensor.name, tensor.tensor_type, quantization):
+            rows = shape[0] if len(shape) == 2 else shape[0] * shape[1]  # experts: every expert's rows
+            value = QuantizedTensor.from_gguf(tensor.tensor_type, tensor.data, (rows, shape[-1]))
         else:
             value = to_torch(tensor.name, tensor.tensor_type, tensor.data, shape, dtype)
         reader.drop_pages(tensor)  # value owns a copy: the mapped bytes need not stay in memory
         if expert_names:
-            yield from zip(expert_names, value)  # value [E, rows, cols]
+            yield from zip(expert_names, _experts_of(value, shape))
             continue
         kind = tensor.name.split(".")[-2]  # "attn_q" in "blk.3.attn_q.weight"
         if permuted and kind in heads and isinstance(value, QuantizedTensor):
@@ -176,6 +179,15 @@ def _hf_named_tensors(reader: GGUFFile | GGUFSplit, config: ModelConfig, dtype: 
         if norm_shift and kind.endswith("norm"):
             value = (value.float() - norm_shift).to(dtype)
         yield name, value
+
+
+def _experts_of(value: torch.Tensor | QuantizedTensor, shape: tuple[int, ...]) -> list:
+    """Each expert's matrix [rows, cols] of a stacked tensor [E, rows, cols]: for blocks, its
+    run of rows (``E * rows`` block rows, expert e's contiguous from ``e * rows``), views of one copy."""
+    if isinstance(value, torch.Tensor):
+        return list(value)
+    rows = shape[1]
+    return [value.with_blocks(value.blocks[e * rows:(e + 1) * rows]) for e in range(shape[0])]
 
 
 def _tensor(reader: GGUFFile | GGUFSplit, name: str) -> GGUFTensor:

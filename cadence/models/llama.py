@@ -50,7 +50,7 @@ from cadence.kernels import packed_weights
 from cadence.models import quantized
 from cadence.models.config import ModelConfig
 from cadence.models.layers import Embedding, FusedLinear, GatedMLP, HeadRMSNorm, Linear, RMSNorm
-from cadence.models.moe import SparseMoE
+from cadence.models.moe import Experts, SparseMoE
 from cadence.models.quantized import Part, QuantizedTensor
 from cadence.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -346,7 +346,7 @@ class LlamaForCausalLM(torch.nn.Module):
         ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` land in their
         rows of the fused projections. Tensors are cast to the model's dtype.
         A ``QuantizedTensor`` stays quantized where its layer can keep it (a
-        ``Linear`` or the embedding: ``keep_quantized``) and is dequantized elsewhere.
+        ``Linear``, the embedding or the experts: ``keep_quantized``) and is dequantized elsewhere.
         """
         destinations = self.checkpoint_tensors()
         homes = self._quantized_homes()
@@ -378,7 +378,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """Checkpoint weight name -> (the layer that can keep it quantized, all its weight names in row order)."""
         homes = {}
         for path, module in self.named_modules():
-            if not isinstance(module, (Linear, Embedding)):
+            if not isinstance(module, (Linear, Embedding, Experts)):
                 continue
             if hasattr(module, "checkpoint_tensors"):  # fused: one name per shard
                 names = [name for name in module.checkpoint_tensors(path) if name.endswith(".weight")]

@@ -17,10 +17,18 @@ loop describes; ``FusedDecoder.build`` says why not otherwise:
     sandwich: Gemma), norms with or without an offset, SwiGLU or GeGLU,
     whole-head or partial rotary (or none, per layer; Gemma 3's local
     tables), q/k norms per head or whole, per-layer windows (Gemma's global
-    layers), soft-capped attention scores (Gemma 2), every projection kept
-    in GGUF blocks of a kernel type (a q/k/v bias allowed); no experts (kept
-    as float stacks, they have no C product), no LoRA adapters, the C
+    layers), soft-capped attention scores (Gemma 2), routed experts
+    (Qwen3-MoE, dense layers beside them), every projection and every
+    expert's matrices kept in GGUF blocks of a kernel type (a q/k/v bias
+    allowed; the router float32 or in blocks); no LoRA adapters, the C
     attention kernel and fused ops in use.
+
+A layer of experts routes and combines in the fused ops' C functions
+(``moe_route``, ``moe_combine``, the float router's ``linear``), which the
+module path (``cadence.models.moe`` with fused ops) calls too: top-k ties
+go to the lower expert id and each token sums its picks in pick order on
+both paths, and each expert multiplies the same rows (its tokens, in token
+order), so the quantized kernel takes the same path for them.
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ import torch
 
 from cadence.kernels.decoder_stack import (
     ACTIVATIONS, CACHE_DTYPES, MAX_PARTS, NORM_PLACEMENTS, QK_NORMS, ROTARY_MAIN, ROTARY_NONE, ROTARY_SLIDING,
-    BlockMatrix, DecoderLayer, DecoderShape, DecoderStackKernel, DecoderStep, decoder_stack,
+    TYPE_F32_ROWS, BlockMatrix, DecoderLayer, DecoderShape, DecoderStackKernel, DecoderStep, ExpertMatrices,
+    decoder_stack,
 )
 from cadence.models.layers import Linear, RMSNorm
 from cadence.models.llama import LlamaForCausalLM, _DECODER_LAYERS
+from cadence.models.moe import SparseMoE
 from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor
 
 if TYPE_CHECKING:
@@ -66,9 +76,14 @@ class FusedDecoder:
             rotary_dim=config.rotary_dim, eps=config.rms_norm_eps,
             scale=scale if scale is not None else config.head_dim ** -0.5,
             softcap=config.attn_logit_softcapping or 0.0,
+            num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+            expert_intermediate=config.moe_intermediate_size if config.num_experts else 0,
+            norm_topk_prob=int(config.norm_topk_prob),
         )
-        # The norms' weights as the kernels scale by them (offsets added), held here for their pointers.
+        # The norms' weights as the kernels scale by them (offsets added), and each layer's
+        # experts' matrices, held here for their pointers.
         self.norm_weights: list[torch.Tensor] = []
+        self.expert_arrays: list[ctypes.Array] = []
         layers = model.model.layers
         self.layers = (DecoderLayer * len(layers))(*(
             self._layer(layer, kv_cache, i, config, i in full_attention_layers) for i, layer in enumerate(layers)))
@@ -94,7 +109,7 @@ class FusedDecoder:
     def _layer(self, layer: torch.nn.Module, kv_cache: "PagedKVCache", index: int, config: "ModelConfig",
                full_attention: bool) -> DecoderLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, gate_up = _matrices(attn.qkv_proj.quantized), _matrices(mlp.gate_up_proj.quantized)
+        qkv = _matrices(attn.qkv_proj.quantized)
         bias = attn.qkv_proj.bias
         rotary = ROTARY_NONE
         if attn.uses_rope:
@@ -108,11 +123,25 @@ class FusedDecoder:
             qkv=(BlockMatrix * MAX_PARTS)(*qkv), qkv_parts=len(qkv),
             qkv_bias=None if bias is None else bias.data_ptr(),
             o=_matrices(attn.o_proj.quantized)[0],
-            gate_up=(BlockMatrix * MAX_PARTS)(*gate_up), gate_up_parts=len(gate_up),
-            down=_matrices(mlp.down_proj.quantized)[0],
+            **(self._experts(mlp) if isinstance(mlp, SparseMoE) else _dense_mlp(mlp)),
             key_cache=kv_cache.keys(index).data_ptr(), value_cache=kv_cache.values(index).data_ptr(),
             rotary=rotary, full_attention=int(full_attention),
         )
+
+    def _experts(self, moe: SparseMoE) -> dict:
+        """DecoderLayer's fields for routed experts: the router, and the experts' matrices (held here)."""
+        experts = moe.experts
+        array = (ExpertMatrices * experts.num_experts)(*(
+            ExpertMatrices(gate_up=(BlockMatrix * MAX_PARTS)(*_matrices(gate_up)), gate_up_parts=len(gate_up),
+                           down=_matrices(down)[0])
+            for gate_up, down in zip(experts.gate_up_parts, experts.down_parts)))
+        self.expert_arrays.append(array)
+        router = moe.gate
+        if router.quantized is None:
+            router_matrix = BlockMatrix(TYPE_F32_ROWS, router.weight.data_ptr(), router.out_features)
+        else:
+            router_matrix = _matrices(router.quantized)[0]
+        return dict(router=router_matrix, experts=ctypes.addressof(array))
 
     def _norm(self, norm: RMSNorm | None) -> int | None:
         """The pointer to ``norm``'s weight as the kernel scales by it (None: no such norm)."""
@@ -175,7 +204,6 @@ def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel) -> 
     if not (uses_fused_ops and uses_attention_kernel):
         return "the C attention kernel or fused ops are not in use"
     differences = [
-        ("mixture-of-experts layers", any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))),
         (f"the {config.mlp_activation} activation", config.mlp_activation not in ACTIVATIONS),
         (f"{config.norm_placement} norms", config.norm_placement not in NORM_PLACEMENTS),
     ]
@@ -186,12 +214,39 @@ def _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel) -> 
     for i, layer in enumerate(model.model.layers):
         if type(layer) is not layer_class:
             return f"layer {i} is a {type(layer).__name__}"
-        projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-                       "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+        projections = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
+        if not isinstance(layer.mlp, SparseMoE):
+            projections.update(gate_up_proj=layer.mlp.gate_up_proj, down_proj=layer.mlp.down_proj)
         for name, linear in projections.items():
             reason = _why_not_blocks(linear, allow_bias=name == "qkv_proj")
             if reason is not None:
                 return f"layer {i}'s {name} {reason}"
+        if isinstance(layer.mlp, SparseMoE):
+            reason = _why_not_experts(layer.mlp)
+            if reason is not None:
+                return f"layer {i}'s {reason}"
+    return None
+
+
+def _why_not_experts(moe: SparseMoE) -> str | None:
+    """Why the C loop cannot run these routed experts (None: it can)."""
+    router = moe.gate
+    if router.quantized is not None or router.lora is not None:
+        reason = _why_not_blocks(router, allow_bias=False)
+        if reason is not None or len(router.quantized) != 1:
+            return f"router {reason or 'has several parts'}"
+    elif router.bias is not None or router.weight.dtype != torch.float32 or not router.weight.is_contiguous() \
+            or router.weight.shape != (router.out_features, router.in_features):
+        return "router is not a float32 matrix"
+    experts = moe.experts
+    if experts.gate_up_parts is None:
+        return "experts are not kept in GGUF blocks"
+    for e, (gate_up, down) in enumerate(zip(experts.gate_up_parts, experts.down_parts)):
+        for name, parts in (("gate|up", gate_up), ("down", down)):
+            if len(parts) > (MAX_PARTS if name == "gate|up" else 1):
+                return f"expert {e}'s {name} has {len(parts)} parts"
+            if not all(isinstance(p, QuantizedTensor) and p.ggml_type in KERNEL_TYPES for p in parts):
+                return f"expert {e}'s {name} has a part in float (a type without a kernel)"
     return None
 
 
@@ -208,6 +263,13 @@ def _why_not_blocks(linear: Linear, *, allow_bias: bool) -> str | None:
     if not all(isinstance(p, QuantizedTensor) and p.ggml_type in KERNEL_TYPES for p in parts):
         return "has a part in float (a type without a kernel)"
     return None
+
+
+def _dense_mlp(mlp) -> dict:
+    """DecoderLayer's fields for a dense gated MLP."""
+    gate_up = _matrices(mlp.gate_up_proj.quantized)
+    return dict(gate_up=(BlockMatrix * MAX_PARTS)(*gate_up), gate_up_parts=len(gate_up),
+                down=_matrices(mlp.down_proj.quantized)[0])
 
 
 def _matrices(parts) -> list[BlockMatrix]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFWriter
+from gguf import GGUFWriter, quants
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -136,8 +136,9 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return by_half.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path, model, arch: str) -> None:
-    """The model as a float32 GGUF of architecture ``arch``, named as llama.cpp names it."""
+def write_gguf(path, model, arch: str, types: dict | None = None) -> None:
+    """The model as a float32 GGUF of architecture ``arch``, named as llama.cpp names it;
+    ``types``: tensor kind (``ffn_up_exps``) -> a type of llama.cpp's reference quantizer to store it in."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
@@ -165,6 +166,11 @@ def write_gguf(path, model, arch: str) -> None:
     allowed = allowed_tensor_names(arch, config.num_hidden_layers)
     for name, values in gguf_tensors(model, arch).items():
         assert name.rsplit(".", 1)[0] in allowed, f"{name} is not a llama.cpp {arch} tensor"
+        ggml_type = (types or {}).get(name.split(".")[-2])
+        if ggml_type is not None:
+            writer.add_tensor(name, quants.quantize(np.ascontiguousarray(values, dtype=np.float32), ggml_type),
+                              raw_dtype=ggml_type)
+            continue
         writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -9,8 +9,8 @@ included, for each architecture's building blocks the loop takes (a q/k/v
 bias, layers without rotary, a sliding window, q/k norms per head and
 whole, post-norm and sandwich layers, offset norms, GeGLU, partial rotary,
 Gemma 3's local rotary tables and global layers, Gemma 2's soft-capped
-scores) and for speculative
-verification rows.
+scores, Qwen3-MoE's routed experts in random blocks, beside a dense layer,
+the router in float32 or in blocks) and for speculative verification rows.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tests.runner.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, HandScheduler
 from cadence import cpu_features
 from cadence.config import LoRAConfig, SpeculativeConfig
 from cadence.kernels.decoder_stack import ctypes_layout, decoder_stack
+from cadence.models.moe import SparseMoE
 from cadence.models.quantized import QuantizedTensor
 from cadence.models.testing import random_model, tiny_config
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
@@ -46,19 +47,39 @@ def random_part(kind, rows, cols, rng):
     return QuantizedTensor.from_gguf(GGMLType[kind], raw, (rows, cols))
 
 
-def quantized_model(config, seed=0):
-    """A random model of ``config`` whose layers' projections are random blocks of SHARD_TYPES."""
+def quantized_model(config, seed=0, router_type=None):
+    """A random model of ``config`` whose layers' projections are random blocks of SHARD_TYPES;
+    routed experts too (expert e of layer i in SHARD_TYPES[i + e], so gate|up is one part or two),
+    the router in float32 (as GGUF files hold it) or in blocks of ``router_type``."""
     model = random_model(config, seed=seed)
     rng = np.random.default_rng(seed)
     for index, layer in enumerate(model.model.layers):
         types = SHARD_TYPES[index % len(SHARD_TYPES)]
         attn, mlp = layer.self_attn, layer.mlp
-        for linear, names in ((attn.qkv_proj, attn.qkv_proj.shard_names), (attn.o_proj, ("o_proj",)),
-                              (mlp.gate_up_proj, mlp.gate_up_proj.shard_names), (mlp.down_proj, ("down_proj",))):
+        linears = [(attn.qkv_proj, attn.qkv_proj.shard_names), (attn.o_proj, ("o_proj",))]
+        if isinstance(mlp, SparseMoE):
+            keep_experts_quantized(mlp, index, rng, router_type)
+        else:
+            linears += [(mlp.gate_up_proj, mlp.gate_up_proj.shard_names), (mlp.down_proj, ("down_proj",))]
+        for linear, names in linears:
             sizes = getattr(linear, "shard_sizes", (linear.out_features,))
             linear.keep_quantized([random_part(types[name], rows, linear.in_features, rng)
                                    for name, rows in zip(names, sizes)])
     return model
+
+
+def keep_experts_quantized(moe, layer_index, rng, router_type):
+    experts = moe.experts
+    hidden, size = experts.down_proj.shape[1], experts.intermediate_size
+    shards = []
+    for e in range(experts.num_experts):
+        types = SHARD_TYPES[(layer_index + e) % len(SHARD_TYPES)]
+        shards += [random_part(types["gate_proj"], size, hidden, rng),
+                   random_part(types["gate_proj" if e % 2 else "up_proj"], size, hidden, rng),
+                   random_part(types["down_proj"], hidden, size, rng)]
+    experts.keep_quantized(shards)
+    if router_type is not None:
+        moe.gate.keep_quantized([random_part(router_type, moe.gate.out_features, hidden, rng)])
 
 
 def cpu_paths(path):
@@ -127,6 +148,9 @@ GEMMA3 = dict(architecture="gemma3_text", norm_placement="sandwich", norm_weight
               mlp_activation="gelu_tanh", embedding_multiplier=16.0, query_pre_attn_scalar=48.0,
               qk_norm="per_head", sliding_rope_theta=10000.0, rope_theta=1e6, full_attention_layers=(1,),
               sliding_window=12, tie_word_embeddings=True)
+# 8 experts, 3 per token: with 3 sequences' decodes most experts get a row, some several.
+QWEN3_MOE = dict(architecture="qwen3_moe", qk_norm="per_head", num_experts=8, num_experts_per_tok=3,
+                 moe_intermediate_size=256, norm_topk_prob=True)
 VARIANTS = {
     "llama": {},
     "qkv-bias": {"attention_bias": True},  # Qwen2
@@ -139,11 +163,13 @@ VARIANTS = {
     "gemma3-wide-heads": dict(GEMMA3, num_attention_heads=2, num_key_value_heads=1, head_dim=128),
     "gemma2-soft-capped": dict(GEMMA3, architecture="gemma2", qk_norm=None, sliding_rope_theta=None,
                                attn_logit_softcapping=1.5, final_logit_softcapping=30.0),
+    "qwen3-moe": QWEN3_MOE,
+    "qwen3-moe-dense-layer": dict(QWEN3_MOE, dense_mlp_layers=(1,), norm_topk_prob=False),
 }
 
 
-def assert_same_run(config, path, kv_cache_dtype, schedule=mixed_schedule, **options):
-    model = quantized_model(config)
+def assert_same_run(config, path, kv_cache_dtype, schedule=mixed_schedule, router_type=None, **options):
+    model = quantized_model(config, router_type=router_type)
     paths = cpu_paths(path)
     fused_runner = make_runner(model, paths, kv_cache_dtype, **options)
     assert fused_runner.fused_decoder is not None, fused_runner.fused_decoder_note
@@ -175,6 +201,12 @@ def test_each_variant_the_loop_takes_equals_the_module_path(variant):
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.bfloat16])
 def test_gemma3_on_the_portable_build_equals_the_module_path(kv_cache_dtype):
     assert_same_run(CONFIG.replace(**GEMMA3), "portable-c", kv_cache_dtype)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("router_type", [None, "Q8_0"])  # float32 (GGUF files' router) or blocks
+def test_experts_on_each_build_equal_the_module_path(path, router_type):
+    assert_same_run(CONFIG.replace(**QWEN3_MOE), path, torch.bfloat16, router_type=router_type)
 
 
 def test_speculative_verification_rows_equal_the_module_path():
@@ -235,8 +267,10 @@ def reason_for(model, paths=None, **options):
 
 def test_models_and_runners_the_loop_does_not_take_say_why():
     assert "not kept in GGUF blocks" in reason_for(random_model(CONFIG))
-    assert "mixture-of-experts" in reason_for(random_model(CONFIG.replace(
-        architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)))
+    moe = quantized_model(CONFIG.replace(**QWEN3_MOE))
+    experts = moe.model.layers[1].mlp.experts
+    experts.down_parts = ((torch.zeros(256, 256),), *experts.down_parts[1:])  # a type without a kernel
+    assert "layer 1's expert 0's down has a part in float" in reason_for(moe)
     assert "fused ops are not in use" in reason_for(quantized_model(CONFIG), CpuPaths.plain())
     paths = cpu_paths("as-built")
     no_library = CpuPaths(paths.pack_weights, paths.fused_ops, paths.attention_kernel, paths.reasons,

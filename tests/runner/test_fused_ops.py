@@ -147,6 +147,8 @@ FAMILIES = {
     "gemma3": dict(architecture="gemma3_text", norm_placement="sandwich", norm_weight_offset=1.0,
                    mlp_activation="gelu_tanh", qk_norm="per_head", sliding_rope_theta=10000.0,
                    sliding_window=4, full_attention_layers=(1,), embedding_multiplier=8.0),
+    "qwen3_moe": dict(architecture="qwen3_moe", qk_norm="per_head", num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=32, dense_mlp_layers=(1,)),
 }
 
 
@@ -165,6 +167,59 @@ def test_fused_model_matches_pytorch_model(ops, dtype, family):
     fused.use_fused_ops(None)  # and back
     with torch.inference_mode():
         assert torch.equal(fused.compute_logits(fused(ids, positions, ReferenceAttention())), expected)
+
+
+def test_router_product_matches_pytorch(ops):
+    generator = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(7, 96, generator=generator), torch.randn(12, 96, generator=generator)
+    assert_matches(ops.linear(x, weight), F.linear(x, weight))
+    assert torch.equal(ops.linear(x[2:3], weight), ops.linear(x, weight)[2:3])  # a row's sum, whatever the rows
+
+
+def reference_route(logits, k, normalize):
+    """Qwen3-MoE's routing as transformers computes it."""
+    weights, ids = F.softmax(logits, dim=-1).topk(k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True) if normalize else weights), ids
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("num_experts,k", [(8, 3), (128, 8), (4, 4)])
+def test_routing_matches_softmax_and_topk(ops, normalize, num_experts, k):
+    logits = torch.randn(33, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 3
+    weights, ids = ops.moe_route(logits, k, normalize)
+    expected_weights, expected_ids = reference_route(logits, k, normalize)
+    assert ids.dtype == torch.int64 and torch.equal(ids, expected_ids)
+    assert_matches(weights, expected_weights)
+
+
+def test_routing_ties_go_to_the_lower_expert_id(ops):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0], [0.0, 1.0, -1.0, 1.0, 0.0]])
+    weights, ids = ops.moe_route(logits, 3, False)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2], [1, 3, 0]]
+    assert torch.equal(weights[1], torch.full((3,), 0.2))
+
+
+def test_combining_sums_each_tokens_picks_in_order(ops):
+    generator = torch.Generator().manual_seed(5)
+    outs, weights = torch.randn(12, 40, generator=generator), torch.rand(4, 3, generator=generator)
+    pair_rows = torch.randperm(12, generator=generator).view(4, 3)
+    expected = torch.zeros(4, 40)
+    for j in range(3):
+        expected += weights[:, j:j + 1] * outs[pair_rows[:, j]]
+    assert_matches(ops.moe_combine(outs, pair_rows, weights), expected)
+    with pytest.raises(ValueError, match="pair_rows"):
+        ops.moe_combine(outs, pair_rows + 1, weights)  # row 12 of 12
+
+
+def test_moe_layer_with_fused_ops_matches_pytorch(ops):
+    config = tiny_config(architecture="qwen3_moe", num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32)
+    moe = random_model(config, seed=3).model.layers[0].mlp
+    moe.gate.weight.data.mul_(50)  # routing far from uniform
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    expected = moe(x)
+    moe.fused_ops = ops
+    assert_matches(moe(x), expected)
+    assert torch.equal(moe(x[4:5]), moe(x[4:5]))
 
 
 def test_rejects_what_it_cannot_read(ops):

@@ -19,6 +19,8 @@
  *     normed = post_norm(delta + residual)
  *     delta = down(act(gate) * up)               act: SiLU or GELU-tanh
  *
+ * or, in a layer of routed experts (Qwen3-MoE; see moe_block), the sum of
+ * each token's k experts' SwiGLU outputs, weighted by the router;
  * A sandwich layer (Gemma's) norms the attention's and the MLP's outputs
  * too before they join the stream; a post-norm layer (OLMo 2's) attends and
  * feeds forward on the stream itself and norms only the outputs. Then
@@ -46,6 +48,16 @@ typedef struct {
 
 #define MAX_PARTS 3
 
+/* One routed expert's SwiGLU matrices: gate|up (2I rows, in parts) and down (H rows). */
+typedef struct {
+    BlockMatrix gate_up[MAX_PARTS];
+    int64_t gate_up_parts;
+    BlockMatrix down;
+} ExpertMatrices;
+
+/* ggml's type id of float32 rows: a router kept in float. */
+#define TYPE_F32_ROWS 0
+
 /* One decoder layer's weights and caches. A projection is up to MAX_PARTS
  * row ranges of its matrix (shards of different ggml types stay apart).
  * Norms a layer's placement does not use are NULL. */
@@ -59,9 +71,11 @@ typedef struct {
     int64_t qkv_parts;
     const float *qkv_bias; /* [(Hq + 2 Hkv) D], or NULL */
     BlockMatrix o;
-    BlockMatrix gate_up[MAX_PARTS];
+    BlockMatrix gate_up[MAX_PARTS]; /* a dense MLP's (no parts in a layer of experts) */
     int64_t gate_up_parts;
     BlockMatrix down;
+    BlockMatrix router;               /* [E, H]: blocks, or TYPE_F32_ROWS (float32 rows) */
+    const ExpertMatrices *experts;    /* [E]: the MLP is routed experts; NULL: the dense MLP above */
     void *key_cache;   /* [num_blocks, block_size, Hkv, D] of the cache dtype */
     void *value_cache;
     int64_t rotary;         /* ROTARY_NONE (SmolLM3's), ROTARY_MAIN or ROTARY_SLIDING (Gemma 3's local tables) */
@@ -78,6 +92,8 @@ typedef struct {
     int64_t qk_norm;        /* QK_NORM_NONE, QK_NORM_PER_HEAD or QK_NORM_WHOLE */
     int64_t rotary_dim;     /* values of each head that turn (head_dim but for partial rotary) */
     float eps, scale, softcap; /* softcap: attention scores' cap (Gemma 2's), 0: none */
+    /* Routed experts (layers with ``experts``): E, k per token, each one's I, renormalised top-k */
+    int64_t num_experts, experts_per_token, expert_intermediate, norm_topk_prob;
 } DecoderShape;
 
 enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2, CACHE_Q8_0 = 3 };
@@ -190,23 +206,39 @@ static void attend(const DecoderShape *shape, const DecoderLayer *layer, const D
     }
 }
 
-/* The step's buffers, one allocation. */
+/* The step's buffers, one allocation (the experts' part only for a model with experts):
+ * P = T k (token, expert) pairs. */
 typedef struct {
     float *normed, *delta, *qkv, *q, *attn, *gate_up, *act;
+    float *logits;       /* [T, E] */
+    float *weights;      /* [P]: pair t k + j's weight (token t's j-th pick) */
+    int64_t *ids;        /* [P]: its expert */
+    int64_t *pair_rows;  /* [P]: its row in rows / outs */
+    float *rows, *outs;  /* [P, H]: the pairs' inputs and expert outputs, grouped by expert */
 } Scratch;
 
-static float *scratch_alloc(const DecoderShape *shape, int64_t T, int64_t qkv_width, Scratch *s) {
-    const int64_t H = shape->hidden, q_size = shape->num_heads * shape->head_dim, I = shape->intermediate;
-    const int64_t floats = T * (2 * H + qkv_width + 2 * q_size + 3 * I);
-    float *all = malloc((size_t)floats * sizeof(float));
+static void *scratch_alloc(const DecoderShape *shape, int64_t T, int64_t qkv_width, Scratch *s) {
+    const int64_t H = shape->hidden, q_size = shape->num_heads * shape->head_dim;
+    const int64_t E = shape->num_experts, P = E ? T * shape->experts_per_token : 0;
+    /* gate_up and act serve the dense MLP's T rows and an expert's (at most P) rows */
+    const int64_t I = shape->intermediate, Ie = shape->expert_intermediate;
+    const int64_t mlp_rows = T * I > P * Ie ? T * I : P * Ie;
+    const int64_t floats = T * (2 * H + qkv_width + 2 * q_size) + 3 * mlp_rows + T * E + P + 2 * P * H;
+    void *all = malloc((size_t)floats * sizeof(float) + (size_t)(2 * P) * sizeof(int64_t));
     if (all == NULL) return NULL;
-    s->normed = all;
+    s->ids = all; /* the int64 arrays first, so they stay aligned */
+    s->pair_rows = s->ids + P;
+    s->normed = (float *)(s->pair_rows + P);
     s->delta = s->normed + T * H;
     s->qkv = s->delta + T * H;
     s->q = s->qkv + T * qkv_width;
     s->attn = s->q + T * q_size;
     s->gate_up = s->attn + T * q_size;
-    s->act = s->gate_up + T * 2 * I;
+    s->act = s->gate_up + 2 * mlp_rows;
+    s->logits = s->act + mlp_rows;
+    s->weights = s->logits + T * E;
+    s->rows = s->weights + P;
+    s->outs = s->rows + P * H;
     return all;
 }
 
@@ -245,10 +277,53 @@ static int attention_block(const DecoderShape *shape, const DecoderLayer *layer,
     return project(&layer->o, 1, q_size, s->attn, T, s->delta, H);
 }
 
+/* s->delta [T, H] = the routed experts' output for ``x`` [T, H], as
+ * cadence/models/moe.py computes it with fused ops (the same C functions in
+ * the same order, on the same rows):
+ *
+ *     logits = x @ router^T                      [T, E]  (float32 rows or blocks)
+ *     weights, ids = moe_route(logits)           [T, k]  softmax, top-k (ties: lower id), renormalised
+ *     pairs grouped by expert, in token order:   rows [P, H] = x[token of each pair]
+ *     for each expert e with n pairs: outs[its run] = down_e(silu(gate_e(rows)) * up_e(rows))
+ *     delta[t] = sum over j < k, in order, of weights[t, j] * outs[pair_rows[t, j]]
+ */
+static int moe_block(const DecoderShape *shape, const DecoderLayer *layer, int64_t T, const float *x, Scratch *s) {
+    const int64_t H = shape->hidden, E = shape->num_experts, k = shape->experts_per_token;
+    const int64_t Ie = shape->expert_intermediate, P = T * k;
+    int status;
+    if (layer->router.type == TYPE_F32_ROWS) {
+        if (layer->router.rows != E) return -1;
+        linear_f32(x, T, H, (const float *)layer->router.blocks, E, s->logits);
+    } else if ((status = project(&layer->router, 1, H, x, T, s->logits, E))) {
+        return status;
+    }
+    moe_route_f32(s->logits, T, E, k, (int)shape->norm_topk_prob, s->weights, s->ids);
+    int64_t next = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t start = next;
+        for (int64_t p = 0; p < P; ++p)
+            if (s->ids[p] == e) {
+                s->pair_rows[p] = next;
+                memcpy(s->rows + next * H, x + (p / k) * H, (size_t)H * sizeof(float));
+                ++next;
+            }
+        const int64_t n = next - start;
+        if (n == 0) continue;
+        const ExpertMatrices *expert = &layer->experts[e];
+        if ((status = project(expert->gate_up, expert->gate_up_parts, H, s->rows + start * H, n, s->gate_up, 2 * Ie)))
+            return status;
+        silu_mul_f32(s->gate_up, s->act, n, Ie);
+        if ((status = project(&expert->down, 1, Ie, s->act, n, s->outs + start * H, H))) return status;
+    }
+    moe_combine_f32(s->outs, s->pair_rows, s->weights, T, k, H, s->delta);
+    return 0;
+}
+
 /* s->delta [T, H] = the MLP's output for its input ``x`` [T, H]. */
 static int mlp_block(const DecoderShape *shape, const DecoderLayer *layer, int64_t T, const float *x, Scratch *s) {
     const int64_t H = shape->hidden, I = shape->intermediate;
     int status;
+    if (layer->experts) return moe_block(shape, layer, T, x, s);
     if ((status = project(layer->gate_up, layer->gate_up_parts, H, x, T, s->gate_up, 2 * I))) return status;
     if (shape->activation == ACT_GELU_TANH)
         gelu_tanh_mul_f32(s->gate_up, s->act, T, I);
@@ -309,9 +384,16 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
     if (shape->rotary_dim < 2 || shape->rotary_dim > shape->head_dim || shape->rotary_dim % 2) return -1;
     for (int64_t l = 0; l < shape->num_layers; ++l) {
         const DecoderLayer *layer = &layers[l];
-        if (layer->qkv_parts < 1 || layer->qkv_parts > MAX_PARTS || layer->gate_up_parts < 1
-            || layer->gate_up_parts > MAX_PARTS)
+        if (layer->qkv_parts < 1 || layer->qkv_parts > MAX_PARTS
+            || (!layer->experts && (layer->gate_up_parts < 1 || layer->gate_up_parts > MAX_PARTS)))
             return -1;
+        if (layer->experts) {
+            if (shape->num_experts < 1 || shape->experts_per_token < 1
+                || shape->experts_per_token > shape->num_experts || layer->router.rows != shape->num_experts)
+                return -1;
+            for (int64_t e = 0; e < shape->num_experts; ++e)
+                if (layer->experts[e].gate_up_parts < 1 || layer->experts[e].gate_up_parts > MAX_PARTS) return -1;
+        }
         if ((shape->qk_norm != QK_NORM_NONE && (!layer->q_norm || !layer->k_norm))
             || (layer->rotary == ROTARY_SLIDING && (!step->sliding_cos || !step->sliding_sin))
             || (shape->norm_placement != NORM_POST && !layer->input_norm)
@@ -321,7 +403,7 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
     }
     const int64_t qkv_width = (shape->num_heads + 2 * shape->num_kv_heads) * shape->head_dim;
     Scratch s;
-    float *all = scratch_alloc(shape, T, qkv_width, &s);
+    void *all = scratch_alloc(shape, T, qkv_width, &s);
     if (all == NULL) return -2;
     int status = 0;
     for (int64_t l = 0; l < shape->num_layers && status == 0; ++l)
@@ -332,8 +414,8 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
 }
 
 /* sizeof and field offsets of the structures, for the binding's test:
- * DecoderLayer (size, then 17 offsets), DecoderShape (size, 16), DecoderStep
- * (size, 13), BlockMatrix (size, 3): 53 values. */
+ * DecoderLayer (size, then 19 offsets), DecoderShape (size, 20), DecoderStep
+ * (size, 13), BlockMatrix (size, 3), ExpertMatrices (size, 3): 63 values. */
 int decoder_struct_layout(int64_t *out) {
 #define PUT(value) (*out++ = (int64_t)(value))
     PUT(sizeof(DecoderLayer));
@@ -343,7 +425,8 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderLayer, qkv)); PUT(offsetof(DecoderLayer, qkv_parts));
     PUT(offsetof(DecoderLayer, qkv_bias)); PUT(offsetof(DecoderLayer, o));
     PUT(offsetof(DecoderLayer, gate_up)); PUT(offsetof(DecoderLayer, gate_up_parts));
-    PUT(offsetof(DecoderLayer, down)); PUT(offsetof(DecoderLayer, key_cache));
+    PUT(offsetof(DecoderLayer, down)); PUT(offsetof(DecoderLayer, router));
+    PUT(offsetof(DecoderLayer, experts)); PUT(offsetof(DecoderLayer, key_cache));
     PUT(offsetof(DecoderLayer, value_cache)); PUT(offsetof(DecoderLayer, rotary));
     PUT(offsetof(DecoderLayer, full_attention));
     PUT(sizeof(DecoderShape));
@@ -355,6 +438,8 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderShape, activation)); PUT(offsetof(DecoderShape, qk_norm));
     PUT(offsetof(DecoderShape, rotary_dim));
     PUT(offsetof(DecoderShape, eps)); PUT(offsetof(DecoderShape, scale)); PUT(offsetof(DecoderShape, softcap));
+    PUT(offsetof(DecoderShape, num_experts)); PUT(offsetof(DecoderShape, experts_per_token));
+    PUT(offsetof(DecoderShape, expert_intermediate)); PUT(offsetof(DecoderShape, norm_topk_prob));
     PUT(sizeof(DecoderStep));
     PUT(offsetof(DecoderStep, num_tokens)); PUT(offsetof(DecoderStep, cos)); PUT(offsetof(DecoderStep, sin));
     PUT(offsetof(DecoderStep, sliding_cos)); PUT(offsetof(DecoderStep, sliding_sin));
@@ -364,6 +449,9 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderStep, max_blocks)); PUT(offsetof(DecoderStep, sliding_window));
     PUT(sizeof(BlockMatrix));
     PUT(offsetof(BlockMatrix, type)); PUT(offsetof(BlockMatrix, blocks)); PUT(offsetof(BlockMatrix, rows));
+    PUT(sizeof(ExpertMatrices));
+    PUT(offsetof(ExpertMatrices, gate_up)); PUT(offsetof(ExpertMatrices, gate_up_parts));
+    PUT(offsetof(ExpertMatrices, down));
 #undef PUT
     return 0;
 }

@@ -13,6 +13,15 @@
  *     silu_mul       out = silu(gate) * up, from the fused [T, 2I] projection
  *     gelu_tanh_mul  out = gelu_tanh(gate) * up (Gemma's GeGLU)
  *
+ * and, for float32 only, a mixture of experts' routing (Qwen3-MoE):
+ *
+ *     linear_f32       out = x @ W^T for a float32 W (the router's product)
+ *     moe_route_f32    each token's k experts and weights from its router logits
+ *     moe_combine_f32  out[t] = the weighted sum of its experts' outputs, in pick order
+ *
+ * The module path (cadence/models/moe.py) and the one-call decoder
+ * (decoder_stack.c) both call these three, so the two agree to the bit.
+ *
  * Rows are split over OpenMP threads when there are enough of them; loaded
  * after torch, this library shares torch's libgomp and thread count.
  */
@@ -61,3 +70,76 @@ static inline float gelu_tanh(float g) {
 #undef ELEM
 #undef LOAD
 #undef STORE
+
+/* out [rows, n] = x [rows, k] @ W^T for a float32 W [n, k] (row strides k and
+ * n): the router's product. Each dot product sums in one order the compiler
+ * fixes, whatever the rows or threads. */
+void linear_f32(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *out) {
+    #pragma omp parallel for schedule(static) if (rows * n * k >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < rows; ++t)
+        for (int64_t j = 0; j < n; ++j) {
+            const float *a = x + t * k, *w = weight + j * k;
+            float sum = 0.0f;
+            for (int64_t i = 0; i < k; ++i) sum += a[i] * w[i];
+            out[t * n + j] = sum;
+        }
+}
+
+/* Each row of router logits [rows, E] -> its k experts, best first:
+ * probabilities = softmax(logits) in float32 (exp(l - max) / sum); the k
+ * largest, a tie going to the lower expert id (torch.topk names no order
+ * for ties: one rule, for both decode paths); ids [rows, k] and weights
+ * [rows, k] = their probabilities, with
+ * ``normalize`` divided by the sum of the k (summed in pick order). */
+void moe_route_f32(const float *logits, int64_t rows, int64_t E, int64_t k, int normalize, float *weights,
+                   int64_t *ids) {
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *l = logits + t * E;
+        float p[E];
+        unsigned char taken[E];
+        float max = l[0];
+        for (int64_t e = 1; e < E; ++e)
+            if (l[e] > max) max = l[e];
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; ++e) {
+            p[e] = expf(l[e] - max);
+            sum += p[e];
+            taken[e] = 0;
+        }
+        for (int64_t e = 0; e < E; ++e) p[e] = p[e] / sum;
+        float *w = weights + t * k;
+        int64_t *id = ids + t * k;
+        for (int64_t j = 0; j < k; ++j) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
+            id[j] = best;
+            w[j] = p[best];
+        }
+        if (normalize) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < k; ++j) total += w[j];
+            for (int64_t j = 0; j < k; ++j) w[j] = w[j] / total;
+        }
+    }
+}
+
+/* out [rows, H] = for each token t, sum over its picks j = 0..k-1 in order of
+ * weights[t, j] * outs[pair_rows[t k + j]], outs [pairs, H] being each
+ * (token, expert) pair's expert output in whatever order the experts ran. */
+void moe_combine_f32(const float *outs, const int64_t *pair_rows, const float *weights, int64_t rows, int64_t k,
+                     int64_t H, float *out) {
+    #pragma omp parallel for schedule(static) if (rows * k * H >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < rows; ++t) {
+        float *dst = out + t * H;
+        const float *first = outs + pair_rows[t * k] * H;
+        const float w0 = weights[t * k];
+        for (int64_t i = 0; i < H; ++i) dst[i] = w0 * first[i];
+        for (int64_t j = 1; j < k; ++j) {
+            const float *y = outs + pair_rows[t * k + j] * H;
+            const float w = weights[t * k + j];
+            for (int64_t i = 0; i < H; ++i) dst[i] += w * y[i];
+        }
+    }
+}
