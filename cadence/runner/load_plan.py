@@ -79,12 +79,13 @@ def resolve_model_dtype(engine_config: EngineConfig, device: torch.device, quant
 
 def keeps_gguf_blocks(path: str | None, quantization: str) -> bool:
     """Whether the loader keeps some matmul weight of ``path`` in its GGUF blocks under
-    ``quantization`` (the rule of ``load_gguf_model``: 2-D tensors ``keeps_quantized`` takes)."""
+    ``quantization`` (the rule of ``load_gguf_model``: matrices, and stacked experts, that
+    ``keeps_quantized`` takes)."""
     path = default_model_path() if path is None else path
     if quantization == "none" or not path.endswith(".gguf"):
         return False
     reader, _ = read_gguf(path)
-    return any(len(t.shape) == 2 and keeps_quantized(t.name, t.tensor_type, quantization)
+    return any(len(t.shape) in (2, 3) and keeps_quantized(t.name, t.tensor_type, quantization)
                for t in reader.tensors)
 
 

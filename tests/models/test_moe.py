@@ -75,3 +75,11 @@ def test_logits_equal_the_dequantized_file(gguf_path, kernels):
     expected = logits(reference)
     torch.testing.assert_close(logits(model), expected, atol=2e-3, rtol=1e-3)
     assert (logits(model) - expected).abs().max() > 0  # the experts did run on the blocks
+
+
+def test_the_load_plan_sees_the_experts_blocks(gguf_path):
+    """dtype="auto" decides from whether blocks are kept: experts alone count."""
+    from cadence.runner import load_plan
+
+    assert load_plan.keeps_gguf_blocks(gguf_path, "auto")
+    assert not load_plan.keeps_gguf_blocks(gguf_path, "none")
