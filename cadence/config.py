@@ -472,6 +472,7 @@ def parse_json_object(text: str, name: str) -> dict:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCH_INVARIANT_MODES = ("auto", "on", "off")
 QUANTIZATIONS = ("auto", "gguf", "none")  # as cadence.models.quantized.QUANTIZATION_MODES
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
@@ -513,6 +514,18 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "Never capture CUDA graphs: every GPU step runs eagerly (the CPU always does)."
     )
+    batch_invariant: str = option(
+        "auto",
+        "Outputs that do not depend on the batch: on (a request's greedy tokens are the same "
+        "alone and in any batch, with or without LoRA: every step's products run on at least "
+        "a few rows, short steps padded, and attention on the C kernel one query row at a "
+        "time; refused where no such path exists: a GPU, mixture-of-experts models, float16, "
+        "bfloat16 computed in software, no C kernels, tensor parallelism), off, or auto (on "
+        "where it costs under 5 percent of single-stream and of batch-64 throughput: dense float "
+        "weights; off for weights kept in GGUF blocks, whose one-row decode product sums "
+        "differently; a long prompt's prefill costs more, see BENCHMARKS.md). The start-up "
+        "log says which and why.",
+    )
     seed: int = option(0, "Seed of the sampler's default generator.")
     structured_outputs_backend: str = option(
         "llguidance", "Grammar engine of structured outputs (JSON schema, regex, choice, "
@@ -547,6 +560,8 @@ class EngineConfig:
         _require(self.structured_outputs_compile_timeout_s > 0, "structured_outputs_compile_timeout_s",
                  f"must be > 0, got {self.structured_outputs_compile_timeout_s}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.batch_invariant in BATCH_INVARIANT_MODES, "batch_invariant",
+                 f"must be one of {', '.join(BATCH_INVARIANT_MODES)}, got {self.batch_invariant!r}")
         _require(self.quantization in QUANTIZATIONS, "quantization",
                  f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),

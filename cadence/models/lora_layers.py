@@ -27,6 +27,11 @@ stacked by rank and its B's placed block-diagonally over the output rows,
 
 so a fused layer's delta is still two matmuls. The scaling (alpha / r) is
 folded into B when the adapter is added.
+
+In the batch-invariant mode (``LoRAMapping.min_rows`` > 1, set by the runner)
+every adapter's rows take the gathered path, their two products computed on
+at least ``min_rows`` rows (``row_padding``): a row's delta is then the same
+whichever rows, and how many, share its adapter in the step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from cadence.models.row_padding import pad_rows_product
 
 
 @dataclass
@@ -43,6 +50,7 @@ class LoRAMapping:
     token_rows: torch.Tensor | None = None  # [L] int64, grouped by adapter; None: no adapter
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (adapter, start, end)
     all_rows: bool = False  # token_rows is every row, in order (one adapter for all)
+    min_rows: int = 1  # > 1: batch-invariant products (see the module doc)
 
     def update(self, token_adapter_ids: torch.Tensor) -> None:
         """From the adapter id of each token ([T] int64, 0 for the base model), in
@@ -97,6 +105,8 @@ class LinearLoRA:
         mapping = self.mapping
         if mapping.token_rows is None or not self.weights:
             return y
+        if mapping.min_rows > 1:
+            return self._apply_invariant(x, y)
         if mapping.all_rows:
             weights = self.weights.get(mapping.segments[0][0])
             if weights is not None:
@@ -113,3 +123,16 @@ class LinearLoRA:
             if weights is not None:  # an adapter may leave this layer alone
                 delta[start:end].addmm_(xs[start:end] @ weights[0].T, weights[1].T)
         return y.index_add_(0, rows, delta)
+
+    def _apply_invariant(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``apply`` with each adapter's products on at least ``mapping.min_rows`` rows."""
+        mapping = self.mapping
+        for adapter_id, start, end in mapping.segments:
+            weights = self.weights.get(adapter_id)
+            if weights is None:
+                continue
+            rows = mapping.token_rows[start:end]
+            a_t, b_t = weights[0].T, weights[1].T
+            delta = pad_rows_product(lambda xs: (xs @ a_t) @ b_t, x.index_select(0, rows), mapping.min_rows)
+            y.index_add_(0, rows, delta)  # [L, in] -> [L, R] -> [L, out]
+        return y

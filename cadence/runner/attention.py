@@ -27,7 +27,11 @@ Short queries (decodes, speculative verification) take one of two paths:
 
 Longer prefill chunks run one sequence at a time on
 ``scaled_dot_product_attention`` with a causal mask offset by the cached
-prefix.
+prefix; in the batch-invariant mode (``cadence.runner.batch_invariance``)
+they take the native kernel too, in pieces of at most
+``NATIVE_PIECE_QUERY_LEN`` query tokens: the kernel computes each query row
+alone, its keys in position order, so a row's result does not depend on how
+its prompt was chunked or batched.
 
 Everything index-shaped is computed once per step (``AttentionMetadata``)
 and reused by every layer; a model whose layers use different windows
@@ -50,6 +54,9 @@ from cadence.kernels.paged_attention import PagedAttentionKernel
 
 # Sequences with at most this many query tokens share one padded batched call.
 MAX_BATCHED_QUERY_LEN = 8
+# Query tokens per piece of a long query on the native kernel (batch-invariant
+# mode): pieces bound its scratch memory and spread one prompt over the threads.
+NATIVE_PIECE_QUERY_LEN = 32
 
 
 @dataclass
@@ -113,6 +120,7 @@ class AttentionMetadata:
     batched: list[BatchedPlan]  # short queries, in groups of similar length
     prefills: list[PrefillPlan]  # long queries, one each
     short: ShortQueryIndex | None = None  # short queries, for the native kernel
+    native_long: bool = False  # ``short`` also holds pieces of long queries (batch-invariant mode)
 
     @classmethod
     def build(
@@ -124,6 +132,7 @@ class AttentionMetadata:
         block_size: int,
         sliding_window: int | None = None,
         native_short_queries: bool = False,
+        native_long_queries: bool = False,
     ) -> "AttentionMetadata":
         """Plan a step.
 
@@ -131,8 +140,14 @@ class AttentionMetadata:
         context length after this step (computed + scheduled tokens);
         ``block_table`` ``[S, max_blocks]`` holds each sequence's block ids.
         ``native_short_queries``: index short queries for the native kernel
-        instead of planning padded batches.
+        instead of planning padded batches; ``native_long_queries``: long ones
+        too, in pieces, instead of SDPA (needs ``native_short_queries``).
         """
+        if native_long_queries:
+            return cls(slot_mapping=slot_mapping, batched=[], prefills=[],
+                       short=_native_pieces(query_start_loc, seq_lens, block_table, sliding_window),
+                       native_long=max(query_start_loc[s + 1] - query_start_loc[s]
+                                       for s in range(len(seq_lens))) > MAX_BATCHED_QUERY_LEN)
         query_lens = [query_start_loc[s + 1] - query_start_loc[s] for s in range(len(seq_lens))]
         # Decodes apart from other short queries: padding them to Qmax would
         # multiply their query rows.
@@ -183,7 +198,28 @@ class AttentionMetadata:
             for p in self.prefills
         ]
         short = None if self.short is None else self.short.to(device)
-        return AttentionMetadata(move(self.slot_mapping), batched, prefills, short)
+        return AttentionMetadata(move(self.slot_mapping), batched, prefills, short, self.native_long)
+
+
+def _native_pieces(
+    query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, sliding_window: int | None
+) -> ShortQueryIndex:
+    """Every sequence for the native kernel, a long query cut into pieces of at most
+    ``NATIVE_PIECE_QUERY_LEN`` tokens: a piece is its tokens j0..j1-1, with the
+    context up to the last of them (the earlier ones' keys are in the cache)."""
+    starts, lens, ends, owners = [], [], [], []
+    for s, seq_len in enumerate(seq_lens):
+        query_len = query_start_loc[s + 1] - query_start_loc[s]
+        first_pos = seq_len - query_len
+        for j0 in range(0, query_len, NATIVE_PIECE_QUERY_LEN):
+            j1 = min(query_len, j0 + NATIVE_PIECE_QUERY_LEN)
+            starts.append(query_start_loc[s] + j0)
+            lens.append(j1 - j0)
+            ends.append(first_pos + j1)
+            owners.append(s)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    table = block_table[as_long(owners)].to(torch.int32).contiguous()
+    return ShortQueryIndex(as_long(starts), as_long(lens), as_long(ends), table, sliding_window)
 
 
 def _group_by_length(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:

@@ -17,7 +17,8 @@ builder never branches on the device:
         CpuSetup          a ModelRunner, or rank 0 of tensor_parallel_size ranks
         GpuSetup          the runner num_kv_blocks built
     setup.log_runner(runner)
-                          the CPU's paths, weights kept quantized, tensors dequantized at load
+                          the CPU's paths, weights kept quantized, tensors dequantized at load,
+                          the batch-invariant mode (on or off, and why)
 
 The builder makes the scheduler between ``log_kv_cache`` and
 ``make_runner``: options the scheduler refuses never start a CPU runner's
@@ -35,6 +36,7 @@ from cadence.config import EngineOptions, SchedulerConfig, parse_memory
 from cadence.models import LlamaForCausalLM, ModelConfig
 from cadence.models.quantized import describe as describe_quantized
 from cadence.models.tensor_parallel import check_tensor_parallel
+from cadence.runner.batch_invariance import BatchInvariance
 from cadence.runner.cpu_paths import log_cpu_choice
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
@@ -97,7 +99,8 @@ class DeviceSetup:
               f"({dtype_name(self.kv_cache_dtype)}, {self.device}){self.cache_note}", file=self.log)
 
     def log_runner(self, runner: ModelRunner) -> None:
-        """The lines on what runs: the CPU's paths, weights kept quantized, tensors dequantized at load."""
+        """The lines on what runs: the CPU's paths, weights kept quantized, tensors dequantized at
+        load, and whether outputs are batch-invariant."""
         log, dtype = self.log, self.dtype
         if runner.cpu_paths is not None:
             log_cpu_choice(dtype, runner.cpu_paths, log=log)
@@ -116,6 +119,7 @@ class DeviceSetup:
             counts = ", ".join(f"{name} x{n}" for name, n in sorted(dequantized.items()))
             print(f"cadence: GGUF tensors dequantized to {dtype_name(dtype)} at load (no quantized kernel "
                   f"computes their type): {counts}", file=log)
+        print(f"cadence: {runner.batch_invariance.describe()}", file=log)
 
 
 class CpuSetup(DeviceSetup):
@@ -157,6 +161,9 @@ class CpuSetup(DeviceSetup):
             max_model_len=scheduler_config.max_model_len, device=self.device,
             speculative_config=options.speculative, sliding_window=scheduler_config.sliding_window,
             lora_config=options.lora, kv_cache_dtype=self.kv_cache_dtype,
+            # (tensor parallelism refuses on: check_tensor_parallel_options; auto is off there)
+            batch_invariant=options.engine.batch_invariant
+            if options.parallel.tensor_parallel_size == 1 else "off",
         )
         size = options.parallel.tensor_parallel_size
         if size == 1:
@@ -164,6 +171,7 @@ class CpuSetup(DeviceSetup):
         threads = max(1, (options.engine.num_threads or torch.get_num_threads()) // size)
         torch.set_num_threads(threads)
         runner = start_driver(self.model, self.model_config, size, num_threads=threads, **runner_args)
+        runner.batch_invariance = BatchInvariance.off(f"tensor_parallel_size {size}: not built across ranks")
         print(f"cadence: tensor parallel over {size} ranks (gloo, {threads} threads each; "
               f"worker pids {runner.workers.pids()})", file=self.log)
         return runner
@@ -188,6 +196,7 @@ class GpuSetup(DeviceSetup):
             max_num_seqs=scheduler_config.max_num_seqs, max_model_len=scheduler_config.max_model_len,
             device=self.device, speculative_config=options.speculative,
             sliding_window=scheduler_config.sliding_window, lora_config=options.lora,
+            batch_invariant=options.engine.batch_invariant,
         )
         num_blocks = self._measure_kv_blocks(scheduler_config)
         if num_blocks < 1:
@@ -248,6 +257,9 @@ def check_tensor_parallel_options(options: EngineOptions, model: LlamaForCausalL
         raise ValueError(f"tensor_parallel_size {size}: ranks run on the CPU over gloo; the "
                          f"{device.type} path ({collective_backend(device)}, one device per rank) "
                          f"is not built")
+    if options.engine.batch_invariant == "on":
+        raise ValueError(f"batch_invariant: on is not built for tensor_parallel_size {size} "
+                         f"(each rank's products and the sums across ranks); use auto or off")
     if options.lora is not None:
         raise ValueError(f"enable_lora: LoRA adapters are not split over ranks; "
                          f"serve them with tensor_parallel_size 1 (got {size})")

@@ -30,6 +30,9 @@ from cadence.core.runner_api import RunnerBase
 from cadence.core.outputs import LogprobsLists, ModelRunnerOutput
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from cadence.runner.attention import AttentionMetadata, PagedAttention
+from cadence.runner.batch_invariance import (
+    BatchInvariance, ForwardInputs, forward_inputs, pad_step, resolve_batch_invariance,
+)
 from cadence.runner.fused_decoder import FusedDecoder
 from cadence.kernels.triton_fused_ops import TritonFusedOps
 from cadence.runner.draft_gate import DraftCostModel, DraftGate
@@ -41,6 +44,7 @@ from cadence.runner.kv_cache import PagedKVCache
 from cadence.runner.kv_transfer.base import KVConnectorWorker, take_connector_output
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
 from cadence.runner.lora import LoRAManager
+from cadence.models.row_padding import pad_rows_product
 from cadence.runner.ngram_drafter import NgramDrafter
 from cadence.runner.pooling import Pooler
 from cadence.runner.sampler import Sampler, compute_prompt_logprobs
@@ -77,6 +81,7 @@ class ModelRunner(RunnerBase):
         lora_config: "LoRAConfig | None" = None,
         kv_connector: KVConnectorWorker | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        batch_invariant: str = "off",
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
@@ -87,7 +92,9 @@ class ModelRunner(RunnerBase):
         ``lora_config``: serve LoRA adapters (``add_lora``; requests name theirs).
         ``kv_connector``: the worker side of a KV connector, called around
         every step's forward (see ``cadence.runner.kv_transfer.base``).
-        ``kv_cache_dtype``: the KV cache's element type (default ``dtype``)."""
+        ``kv_cache_dtype``: the KV cache's element type (default ``dtype``).
+        ``batch_invariant``: auto, on or off (``cadence.runner.batch_invariance``;
+        ``batch_invariance`` holds what it resolved to)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -120,6 +127,7 @@ class ModelRunner(RunnerBase):
             self.stager = StepStager(self.device, self.group, model_config.num_key_value_heads,
                                      self.sliding_window)
         self.kv_connector = kv_connector
+        self.batch_invariance = BatchInvariance.off("by request")  # resolved at the end
         self.fused_decoder: FusedDecoder | None = None  # see _use_cpu_paths
         self.fused_decoder_note: str | None = None  # for the start-up log
         if self.device.type == "cpu":
@@ -144,6 +152,7 @@ class ModelRunner(RunnerBase):
         if self.attention_backend == "triton":
             # Norms, rotary and SiLU-mul as one Triton kernel each (C ones on the CPU path).
             self.model.use_fused_ops(TritonFusedOps())
+        self._resolve_batch_invariance(batch_invariant)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the paged cache for ``num_blocks`` scheduler blocks.
@@ -239,6 +248,15 @@ class ModelRunner(RunnerBase):
         self.attention_kernel = kernel if fits else None
         self._build_fused_decoder()
 
+    def _resolve_batch_invariance(self, option: str) -> None:
+        """The batch-invariant mode this runner computes in (ValueError for ``on`` where none exists)."""
+        self.batch_invariance = resolve_batch_invariance(
+            option, self.model, device=self.device, dtype=self.dtype,
+            attention_kernel=self.attention_kernel is not None, lora=self.lora is not None,
+            num_experts=self.model_config.num_experts)
+        if self.lora is not None:
+            self.lora.mapping.min_rows = self.batch_invariance.lora_min_rows
+
     def _build_fused_decoder(self) -> None:
         """The C loop through all layers for decode steps, where the model and paths allow it."""
         paths = self.cpu_paths
@@ -276,10 +294,7 @@ class ModelRunner(RunnerBase):
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         if self.lora is not None:
-            states = self.input_batch.states
-            seq_lora_ids = np.fromiter((states[row].lora_int_id for row in step.rows),
-                                       dtype=np.int64, count=len(step.rows))
-            self.lora.set_step(seq_lora_ids, step.num_scheduled)
+            self._set_lora_step(step)
         start = time.perf_counter()
         with torch.inference_mode():
             hidden, logits_indices = self._forward(step)  # [T, hidden], [N]
@@ -307,31 +322,45 @@ class ModelRunner(RunnerBase):
         """Hidden states of the step's tokens, and the rows to sample from (on the device)."""
         if self.stager is not None:
             return self._forward_triton(step)
-        metadata = self._plan_attention(step, self.sliding_window)
-        if self.fused_decoder is not None and self.fused_decoder.covers(metadata):
-            return self.fused_decoder.forward(step.input_ids, step.positions, metadata), step.logits_indices
+        inputs = forward_inputs(step)
+        invariance = self.batch_invariance
+        if invariance.enabled:  # every product on at least min_rows rows
+            inputs = pad_step(inputs, invariance.min_rows)
+            if inputs.num_padding and self.lora is not None:
+                self._set_lora_step(step, inputs.num_padding)
+        metadata = self._plan_attention(inputs, self.sliding_window)
+        # (Pieces of long queries on the C kernel are not the one-call decoder's: decode steps only.)
+        if self.fused_decoder is not None and self.fused_decoder.covers(metadata) and not metadata.native_long:
+            hidden = self.fused_decoder.forward(inputs.input_ids, inputs.positions, metadata)
+            return hidden[:step.num_tokens], step.logits_indices
         layer_metadata = {}
         if self.full_attention_layers:
-            layer_metadata = dict.fromkeys(self.full_attention_layers, self._plan_attention(step, None))
+            layer_metadata = dict.fromkeys(self.full_attention_layers, self._plan_attention(inputs, None))
         config = self.model_config
         attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel,
                                    layer_metadata=layer_metadata, scale=config.attention_scale,
                                    softcap=config.attn_logit_softcapping)
         device = self.device
-        hidden = self.model(step.input_ids.to(device), step.positions.to(device), attention)
-        return hidden, step.logits_indices.to(device)
+        hidden = self.model(inputs.input_ids.to(device), inputs.positions.to(device), attention)
+        return hidden[:step.num_tokens], step.logits_indices.to(device)
 
-    def _plan_attention(self, step: StepInputs, sliding_window: int | None) -> AttentionMetadata:
+    def _plan_attention(self, inputs: ForwardInputs, sliding_window: int | None) -> AttentionMetadata:
         """The step's attention plan for layers attending within ``sliding_window``."""
         return AttentionMetadata.build(
-            step.query_start_loc.tolist(),
-            step.seq_lens.tolist(),
-            step.block_table,
-            step.slot_mapping,
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            inputs.block_table,
+            inputs.slot_mapping,
             self.block_size,
             sliding_window,
             native_short_queries=self.attention_kernel is not None,
+            native_long_queries=self.batch_invariance.enabled,
         ).to(self.device)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, V] of hidden rows [N, H]: the LM head's product, on at least
+        ``min_rows`` rows in the batch-invariant mode (1 otherwise: as it comes)."""
+        return pad_rows_product(self.model.compute_logits, hidden, self.batch_invariance.min_rows)
 
     def _forward_triton(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         staged = self.stager.stage(step)  # one host-to-device copy
@@ -380,6 +409,18 @@ class ModelRunner(RunnerBase):
         self.input_batch.add(state)
 
     # ------------------------------------------------------------ LoRA
+
+    def _set_lora_step(self, step: StepInputs, num_padding: int = 0) -> None:
+        """Each token's adapter for this step; ``num_padding`` rows that repeat the
+        last token (``pad_step``) take its adapter."""
+        states = self.input_batch.states
+        seq_lora_ids = np.fromiter((states[row].lora_int_id for row in step.rows),
+                                   dtype=np.int64, count=len(step.rows))
+        num_scheduled = step.num_scheduled
+        if num_padding:
+            seq_lora_ids = np.append(seq_lora_ids, np.repeat(seq_lora_ids[-1:], num_padding))
+            num_scheduled = np.append(num_scheduled, np.ones(num_padding, dtype=num_scheduled.dtype))
+        self.lora.set_step(seq_lora_ids, num_scheduled)
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
         """Load an adapter (once; ValueError naming what is wrong with it). True: loaded now."""
@@ -494,7 +535,7 @@ class ModelRunner(RunnerBase):
         seqs = np.flatnonzero(step.does_sample).tolist()
         if not seqs:
             return sampled, None
-        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))  # [N, V]
+        logits = self._logits(hidden.index_select(0, logits_indices))  # [N, V]
         drafts = [spec_tokens.get(step.req_ids[s], []) for s in seqs]
         states = [self.input_batch.states[step.rows[s]] for s in seqs]
         metadata = self._sampling_metadata(states, drafts)
@@ -553,7 +594,7 @@ class ModelRunner(RunnerBase):
             if end <= start:
                 continue
             first = int(step.query_start_loc[s]) + start - int(step.num_computed[s])
-            logits = self.model.compute_logits(hidden[first : first + end - start])  # [P, V]
+            logits = self._logits(hidden[first : first + end - start])  # [P, V]
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1])  # [P]
             ids, logprobs, ranks = compute_prompt_logprobs(
                 logits, targets.to(logits.device), num_logprobs

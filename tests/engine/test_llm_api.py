@@ -10,6 +10,7 @@ test_greedy_parity.py checks the tokens against transformers.
 import pytest
 
 from cadence.engine import LLM, builder
+from cadence.kernels.paged_attention import paged_attention
 from cadence.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 128
@@ -27,7 +28,10 @@ TWO_PLUS_TWO = [{"role": "user", "content": "What is 2+2? Answer with just the n
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_num_seqs=16, kv_cache_memory="256MiB", max_model_len=MAX_MODEL_LEN)
+    # Batch-invariant (where the C attention kernel builds): the tests below compare a
+    # request alone with it in a batch.
+    return LLM(dtype="float32", max_num_seqs=16, kv_cache_memory="256MiB", max_model_len=MAX_MODEL_LEN,
+               batch_invariant="on" if paged_attention() is not None else "off")
 
 
 def generate(llm, prompts, params=None):

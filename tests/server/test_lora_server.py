@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from cadence.kernels.paged_attention import paged_attention
 from cadence.models.default_model import default_model_path
 from cadence.models.gguf_loader import gguf_model_config, read_gguf
 from cadence.models.testing import write_random_adapter
@@ -17,6 +18,8 @@ from cadence.models.testing import write_random_adapter
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 GREEDY = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+# The batch-invariant mode attends on the C kernel (off where it does not build).
+INVARIANT = "on" if paged_attention() is not None else "off"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,10 @@ def adapters(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(make_server, adapters):
+    # Batch-invariant: a request's greedy text is the same alone and beside others
+    # (test_model_field_routes_to_the_adapter compares one with three in a batch).
     return make_server("lora", [
-        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+        "--batch-invariant", INVARIANT, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
         "--lora-modules", f"a1={adapters / 'a1'}", f'{{"name": "a2", "path": "{adapters / "a2"}"}}',
         "--allow-runtime-lora-updating"])
 
@@ -54,7 +59,8 @@ def test_models_lists_the_adapters_with_their_parent(client, adapters):
 
 
 def test_model_field_routes_to_the_adapter(client, adapters):
-    """Greedy text under each adapter equals offline LLM.generate with its LoRARequest."""
+    """Greedy text under each adapter equals offline LLM.generate with its LoRARequest,
+    the three in one batch there: equal because both engines are batch-invariant."""
     from cadence.core.request import LoRARequest
     from cadence.engine.llm import LLM
     from cadence.sampling_params import SamplingParams
@@ -64,7 +70,8 @@ def test_model_field_routes_to_the_adapter(client, adapters):
         response = client.completions.create(model=model, prompt=PROMPT, **GREEDY)
         assert response.model == model
         served[model] = response.choices[0].text
-    llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=16, num_gpu_blocks=256, max_model_len=512)
+    llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=16, num_gpu_blocks=256, max_model_len=512,
+              batch_invariant=INVARIANT)
     loras = [None, LoRARequest("a1", 1, str(adapters / "a1")), LoRARequest("a2", 2, str(adapters / "a2"))]
     outputs = llm.generate([PROMPT] * 3, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                            lora_request=loras, use_tqdm=False)
