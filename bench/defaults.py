@@ -174,10 +174,11 @@ def run_child(kind: str, job: dict, args) -> dict:
     result = {}
     for _ in range(args.max_attempts):
         wait_for_quiet(args.max_others, args.wait_quiet)
-        watch = CpuWatch()
+        watch, children = CpuWatch(), _children_cpu_seconds()
         done = subprocess.run([python, __file__, "--child", kind], input=json.dumps(job), capture_output=True,
                               text=True, cwd=HERE.parent, timeout=1800)
-        others = watch.read()["others_cores"]
+        reading = watch.read()  # its "others" count the child: take the child's CPU out
+        others = max(0.0, reading["others_cores"] - (_children_cpu_seconds() - children) / reading["wall_s"])
         lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
         if done.returncode or not lines:
             raise RuntimeError(f"{kind} child failed:\n{done.stderr[-3000:]}")
@@ -185,6 +186,11 @@ def run_child(kind: str, job: dict, args) -> dict:
         if others <= args.max_others:
             break
     return result
+
+
+def _children_cpu_seconds() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def report(results: dict[str, dict], model: str) -> str:

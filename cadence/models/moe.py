@@ -150,7 +150,7 @@ class SparseMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.fused_ops
-        if ops is not None and "moe_route" in ops.OPERATIONS and x.dtype == torch.float32 and x.device.type == "cpu":
+        if ops is not None and "moe_route" in ops.OPERATIONS and x.dtype == torch.float32:  # the CPU's ops only
             weights, expert_ids = ops.moe_route(self.gate.logits(x, ops), self.top_k, self.norm_topk_prob)
             return self.experts(x.contiguous(), expert_ids, weights, ops)
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]

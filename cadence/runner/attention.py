@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.models.attention_ref import softcapped_attention
+from cadence.runner import kv_quant
 from cadence.runner.kv_cache import PagedKVCache
 from cadence.kernels.paged_attention import PagedAttentionKernel
 
@@ -461,10 +462,13 @@ class PagedAttention:
 def _gather_blocks(
     blocks: torch.Tensor, block_index: torch.Tensor, num_seqs: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Blocks ``[num_blocks, bs, Hkv, D]`` picked by ``block_index`` -> ``[B, Hkv, L, D]``."""
-    num_blocks, _, num_kv_heads, head_dim = blocks.shape
+    """Blocks ``[num_blocks, bs, Hkv, D]`` picked by ``block_index`` -> ``[B, Hkv, L, D]`` of
+    ``dtype`` (a q8_0 cache's bytes decoded: ``kv_quant``)."""
+    num_blocks, _, num_kv_heads, stored = blocks.shape
     # Rows of a 2-D view: index_select then copies whole blocks (memcpy), many
     # times faster on CPU than selecting along dim 0 of the 4-D tensor.
-    picked = blocks.view(num_blocks, -1).index_select(0, block_index)  # [B*nblk, bs*Hkv*D]
-    picked = picked.view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+    picked = blocks.view(num_blocks, -1).index_select(0, block_index)  # [B*nblk, bs*Hkv*stored]
+    picked = picked.view(num_seqs, -1, num_kv_heads, stored)  # [B, L, Hkv, stored]
+    if blocks.dtype == kv_quant.Q8_0:
+        return kv_quant.decode(picked, dtype).transpose(1, 2)
     return picked.transpose(1, 2).to(dtype)

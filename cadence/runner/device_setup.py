@@ -41,7 +41,9 @@ from cadence.runner.cpu_paths import log_cpu_choice
 from cadence.runner.cuda_graphs import default_capture_sizes
 from cadence.runner.gpu_memory import gpu_kv_blocks
 from cadence.runner.host_memory import available_memory_bytes
-from cadence.runner.kv_cache import bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
+from cadence.runner.kv_cache import (
+    auto_kv_cache_dtype, bytes_per_block, cache_dtype_name, num_blocks_for_budget, resolve_kv_cache_dtype,
+)
 from cadence.runner.load_plan import dtype_name
 from cadence.runner.model_runner import ModelRunner
 from cadence.runner.tp_workers import collective_backend, start_driver
@@ -96,7 +98,13 @@ class DeviceSetup:
     def log_kv_cache(self, num_blocks: int, block_size: int) -> None:
         print(f"cadence: KV cache {num_blocks} blocks x {block_size} tokens = "
               f"{num_blocks * block_size} tokens, {num_blocks * self.bytes_per_block(block_size) / 2**20:.0f} MiB "
-              f"({dtype_name(self.kv_cache_dtype)}, {self.device}){self.cache_note}", file=self.log)
+              f"({cache_dtype_name(self.kv_cache_dtype)}, {self.device}{self._kv_dtype_note()}){self.cache_note}",
+              file=self.log)
+
+    def _kv_dtype_note(self) -> str:
+        if self.options.cache.kv_cache_dtype != "auto":
+            return ""
+        return f"; {auto_kv_cache_dtype(self.dtype, self.device)[1]}"
 
     def log_runner(self, runner: ModelRunner) -> None:
         """The lines on what runs: the CPU's paths, weights kept quantized, tensors dequantized at
@@ -106,7 +114,7 @@ class DeviceSetup:
             log_cpu_choice(dtype, runner.cpu_paths, log=log)
             if runner.cpu_paths.attention_kernel is not None and runner.attention_kernel is None:
                 print(f"cadence: attention over the cache on PyTorch's SDPA (the C kernel does not read a "
-                      f"{dtype_name(self.kv_cache_dtype)} cache for {dtype_name(dtype)} queries, or soft-caps)",
+                      f"{cache_dtype_name(self.kv_cache_dtype)} cache for {dtype_name(dtype)} queries)",
                       file=log)
         kept = self.model.quantized_weights()
         if kept:

@@ -29,6 +29,7 @@ from cadence.models.moe import SparseMoE
 from cadence.models.quantized import QuantizedTensor
 from cadence.models.testing import random_model, tiny_config
 from cadence.runner.cpu_paths import CpuPaths, choose_cpu_paths
+from cadence.runner.kv_quant import Q8_0
 from cadence.runner.model_runner import ModelRunner
 
 CONFIG = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -187,7 +188,7 @@ def assert_same_run(config, path, kv_cache_dtype, schedule=mixed_schedule, route
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
-@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16, torch.bfloat16, Q8_0])
 def test_decode_steps_equal_the_module_path_bit_for_bit(path, kv_cache_dtype):
     assert_same_run(CONFIG, path, kv_cache_dtype)
 

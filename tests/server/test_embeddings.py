@@ -19,7 +19,9 @@ HIDDEN_SIZE = 576
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server("embeddings", ["--max-num-batched-tokens", "32"])  # long inputs chunk
+    # Long inputs chunk; a batch's chunks differ from one input's, so the outputs compared
+    # across batches are computed batch-invariant.
+    return make_server("embeddings", ["--max-num-batched-tokens", "32", "--batch-invariant", "on"])
 
 
 @pytest.fixture(scope="module")
