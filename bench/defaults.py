@@ -60,13 +60,15 @@ def prefill_ids(tokenize, count: int, offset: int) -> list[int]:
 
 
 def workload_prompts(model: str, num_prompts: int):
-    """cpu-throughput-v1's user messages through ``model``'s chat template (token ids),
-    and the model's tokenizer."""
+    """cpu-throughput-v1's user messages through ``model``'s chat template (token ids; the
+    raw message where the file has no template, as Gemma 3 270M's), and the model's tokenizer."""
     from cadence.models.gguf_loader import read_gguf
     from cadence.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model)[1])
     messages = json.loads(WORKLOAD_FILE.read_text())["user_messages"][:num_prompts]
+    if tokenizer.chat_template is None:
+        return [tokenizer.encode(m) for m in messages], tokenizer
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True)
              for m in messages]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts], tokenizer
