@@ -51,6 +51,7 @@ def test_fused_ops_bindings_match_their_prototypes():
     prototypes = exported_prototypes("fused_ops.c")
     expected = {f"{name}_{suffix}": argtypes
                 for name, argtypes in fused_ops.SIGNATURES.items() for suffix in ELEMENT_SUFFIXES}
+    expected |= fused_ops.MOE_SIGNATURES  # float32 only
     assert set(prototypes) == set(expected)
     for name, argtypes in expected.items():
         assert prototypes[name] == argtypes, name

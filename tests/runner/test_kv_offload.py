@@ -101,10 +101,12 @@ def test_the_tier_evicts_its_least_recently_used_blocks(model, prefixed_expected
 
 
 def bytes_per_block(model, block_size=4):
-    from cadence.runner.kv_cache import bytes_per_block as per_block
+    """A block's bytes in the cache ``build`` makes (kv_cache_dtype auto: float16 under a
+    float32 model on the CPU)."""
+    from cadence.runner.kv_cache import bytes_per_block as per_block, resolve_kv_cache_dtype
     import torch
 
-    return per_block(model.config, block_size, torch.float32)
+    return per_block(model.config, block_size, resolve_kv_cache_dtype("auto", model.dtype, torch.device("cpu")))
 
 
 # ---------------------------------------------------------------- swap preemption
