@@ -160,7 +160,7 @@ def _blocker(device: torch.device, dtype: torch.dtype, attention_kernel: bool, n
         return "a mixture-of-experts model: each expert's product runs on the rows routed to it"
     if not attention_kernel:
         return ("attention would run on PyTorch's SDPA (no C kernel for this dtype and KV cache, "
-                "soft-capped scores, or C kernels unavailable)")
+                "or C kernels unavailable)")
     features = cpu_features.detect() if features is None else features
     if dense and dtype == torch.bfloat16 and not features.native_bf16:
         return ("bfloat16 is computed in software on this CPU, and its dense products depend on the "
