@@ -2,7 +2,9 @@
 of the activations rounded per group of 32 to int16 steps (``ggml_blocks.round_activations``).
 
 Each product path runs wherever the suite runs: the kernel as this CPU builds
-it (AVX2 FMA on an AVX2 machine), built with AVX2 hidden (portable C), and
+it (AVX2 FMA on an AVX2 machine, its decode path in AVX-512 where the CPU
+has it), built with AVX-512 hidden (the AVX2 decode path), built with AVX2
+hidden (portable C), and
 no kernel at all (PyTorch dequantizes per call). Blocks are random but valid
 (``ggml_blocks.random_blocks``) and decoded for reference by the independent
 decoders of ``ggml_blocks``.
@@ -28,7 +30,7 @@ from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor, keeps_quanti
 
 KINDS = [t.name for t in KERNEL_TYPES]
 # product path -> CPU features hidden to take it (None: no kernel, PyTorch)
-PATHS = {"as-built": (), "portable-c": ("avx2",), "pytorch": None}
+PATHS = {"as-built": (), "avx2": ("avx512",), "portable-c": ("avx2",), "pytorch": None}
 
 
 def kernel_for(path):
@@ -37,7 +39,7 @@ def kernel_for(path):
         return None
     features = cpu_features.with_hidden(cpu_features.detect(), *hidden)
     if hidden and not features.is_x86:
-        pytest.skip("hiding AVX2 is an x86 path")
+        pytest.skip("hiding AVX2 or AVX-512 is an x86 path")
     kernel = quant_matmul(features.compiler_arch())
     if kernel is None:
         pytest.skip("no C compiler here: the PyTorch path is the only one")
@@ -72,8 +74,14 @@ def activations_with_ties():
 
 def test_each_path_is_the_one_named():
     assert kernel_for("portable-c").isa == "portable C"
-    if cpu_features.detect().has("avx2", "fma"):
-        assert kernel_for("as-built").isa == "AVX2 FMA"
+    features = cpu_features.detect()
+    if features.has("avx2", "fma"):
+        assert kernel_for("avx2").isa == "AVX2 FMA"
+        decode = {"avx512_vnni": "AVX2 FMA, AVX-512 VNNI decode", "": "AVX2 FMA, AVX-512BW decode"}
+        if features.has("avx512f", "avx512bw"):
+            assert kernel_for("as-built").isa == decode["avx512_vnni" if features.has("avx512_vnni") else ""]
+        else:
+            assert kernel_for("as-built").isa == "AVX2 FMA"
 
 
 @pytest.mark.parametrize("path", PATHS)

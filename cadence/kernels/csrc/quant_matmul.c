@@ -39,6 +39,10 @@
 #define QUANT_AVX2 1
 /* Rows of x up to which products stay in integers (see "activations"). */
 #define DIRECT_MAX_ROWS 4
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The decode path's products in 512-bit registers (quant_direct_avx512.h). */
+#define QUANT_AVX512 1
+#endif
 #else
 #define DIRECT_MAX_ROWS 0
 #endif
@@ -55,7 +59,13 @@
  * out[r * os + c] = sum_k x[r][k] w[c][k]. K is a multiple of 32. */
 
 #ifdef QUANT_AVX2
+#if defined(QUANT_AVX512) && defined(__AVX512VNNI__)
+static const char ISA[] = "AVX2 FMA, AVX-512 VNNI decode";
+#elif defined(QUANT_AVX512)
+static const char ISA[] = "AVX2 FMA, AVX-512BW decode";
+#else
 static const char ISA[] = "AVX2 FMA";
+#endif
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -274,7 +284,7 @@ typedef struct {
 static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k, int with_half_sums) {
     const int64_t groups = k / GROUP, count = m * groups;
     RoundedGroups rounded = {NULL, NULL, NULL, NULL};
-    if (posix_memalign((void **)&rounded.q, 32, (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float)))) {
+    if (posix_memalign((void **)&rounded.q, 64, (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float)))) {
         rounded.q = NULL;
         return rounded;
     }
@@ -368,12 +378,19 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
     }
 }
 
+#ifdef QUANT_AVX512
+#include "quant_direct_avx512.h"
+#define DIRECT_ROWS direct_rows_512
+#else
+#define DIRECT_ROWS direct_rows
+#endif
+
 #define DIRECT_BY_ROWS(TYPE)                                                                      \
     switch (m) {                                                                                  \
-    case 1: direct_rows(TYPE, 1, row, groups, x, out, os); break;                                 \
-    case 2: direct_rows(TYPE, 2, row, groups, x, out, os); break;                                 \
-    case 3: direct_rows(TYPE, 3, row, groups, x, out, os); break;                                 \
-    default: direct_rows(TYPE, 4, row, groups, x, out, os); break;                                \
+    case 1: DIRECT_ROWS(TYPE, 1, row, groups, x, out, os); break;                                 \
+    case 2: DIRECT_ROWS(TYPE, 2, row, groups, x, out, os); break;                                 \
+    case 3: DIRECT_ROWS(TYPE, 3, row, groups, x, out, os); break;                                 \
+    default: DIRECT_ROWS(TYPE, 4, row, groups, x, out, os); break;                                \
     }
 
 /* out[0:m, n] for one weight row, m <= DIRECT_MAX_ROWS. */
