@@ -12,7 +12,9 @@ with the rounded rows, so the weight's bytes are read once per call and
 their decoding is shared by all rows (prefill, batches). Both compute the
 same product up to the order of float32 sums, so a request's tokens do not
 depend on its batch. Built with AVX2 FMA where the build's ``-march`` has
-them, as plain C otherwise (``isa`` says which). ``quant_matmul()`` is None where
+them, as plain C otherwise; with AVX-512 (F, BW) both paths multiply 16-bit
+integers, 32 products per instruction (VNNI where the CPU has it), the tiles
+decoded to integers instead of float32 (``isa`` says which). ``quant_matmul()`` is None where
 the library cannot be built; callers then dequantize in PyTorch.
 
 Types are passed as ggml's numeric ids (``GGMLQuantizationType`` values),

@@ -2,9 +2,9 @@
 of the activations rounded per group of 32 to int16 steps (``ggml_blocks.round_activations``).
 
 Each product path runs wherever the suite runs: the kernel as this CPU builds
-it (AVX2 FMA on an AVX2 machine, its decode path in AVX-512 where the CPU
-has it), built with AVX-512 hidden (the AVX2 decode path), built with AVX2
-hidden (portable C), and
+it (AVX2 FMA on an AVX2 machine, its integer paths in AVX-512 where the CPU
+has it), built with VNNI hidden (AVX-512's madd in place of vpdpwssd), with
+AVX-512 hidden (the AVX2 paths), with AVX2 hidden (portable C), and
 no kernel at all (PyTorch dequantizes per call). Blocks are random but valid
 (``ggml_blocks.random_blocks``) and decoded for reference by the independent
 decoders of ``ggml_blocks``.
@@ -30,7 +30,8 @@ from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor, keeps_quanti
 
 KINDS = [t.name for t in KERNEL_TYPES]
 # product path -> CPU features hidden to take it (None: no kernel, PyTorch)
-PATHS = {"as-built": (), "avx2": ("avx512",), "portable-c": ("avx2",), "pytorch": None}
+PATHS = {"as-built": (), "avx512-without-vnni": ("avx512_vnni",), "avx2": ("avx512",), "portable-c": ("avx2",),
+         "pytorch": None}
 
 
 def kernel_for(path):
@@ -77,9 +78,10 @@ def test_each_path_is_the_one_named():
     features = cpu_features.detect()
     if features.has("avx2", "fma"):
         assert kernel_for("avx2").isa == "AVX2 FMA"
-        decode = {"avx512_vnni": "AVX2 FMA, AVX-512 VNNI decode", "": "AVX2 FMA, AVX-512BW decode"}
+        decode = {"avx512_vnni": "AVX2 FMA, AVX-512 VNNI decode and tiles", "": "AVX2 FMA, AVX-512BW decode and tiles"}
         if features.has("avx512f", "avx512bw"):
             assert kernel_for("as-built").isa == decode["avx512_vnni" if features.has("avx512_vnni") else ""]
+            assert kernel_for("avx512-without-vnni").isa == decode[""]
         else:
             assert kernel_for("as-built").isa == "AVX2 FMA"
 

@@ -19,7 +19,10 @@
  * With AVX2 and FMA in -march the tile is k-major panels of 16 rows and the
  * register tiles are 6 rows of x by 16 weight rows (broadcast x, no
  * horizontal sums); elsewhere plain C dot products over row-major tiles.
- * ``quant_matmul_isa`` names the one built. Values decode as ggml's
+ * With AVX512F and AVX512BW in -march both paths stay in integers, 32
+ * products per instruction (VNNI's vpdpwssd where present): the decode path
+ * in quant_direct_avx512.h, the tiles (decoded to int16, not float32) in
+ * quant_tiles_avx512.h. ``quant_matmul_isa`` names the one built. Values decode as ggml's
  * dequantize_row_* (and the gguf package) compute them, so results match
  * dequantize-then-matmul of the rounded x up to the order of the float32 sums.
  *
@@ -60,9 +63,9 @@
 
 #ifdef QUANT_AVX2
 #if defined(QUANT_AVX512) && defined(__AVX512VNNI__)
-static const char ISA[] = "AVX2 FMA, AVX-512 VNNI decode";
+static const char ISA[] = "AVX2 FMA, AVX-512 VNNI decode and tiles";
 #elif defined(QUANT_AVX512)
-static const char ISA[] = "AVX2 FMA, AVX-512BW decode";
+static const char ISA[] = "AVX2 FMA, AVX-512BW decode and tiles";
 #else
 static const char ISA[] = "AVX2 FMA";
 #endif
@@ -380,6 +383,7 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
 
 #ifdef QUANT_AVX512
 #include "quant_direct_avx512.h"
+#include "quant_tiles_avx512.h"
 #define DIRECT_ROWS direct_rows_512
 #else
 #define DIRECT_ROWS direct_rows
@@ -456,6 +460,30 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
 #endif
 }
 
+#ifdef QUANT_AVX512
+/* Many rows with AVX-512: integer tiles (quant_tiles_avx512.h). */
+static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
+                             const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+    const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
+    if (rounded.q == NULL) return -2;
+    const int64_t groups = k / GROUP, num_tiles = (n + INT_TILE_ROWS - 1) / INT_TILE_ROWS;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        float *buffer = thread_tile(int_tile_bytes(groups) / (int64_t)sizeof(float));
+        if (buffer == NULL) {
+            failed = 1;
+            continue;
+        }
+        IntTile tile = int_tile_at(buffer, groups);
+        const int64_t first = t * INT_TILE_ROWS, rows = n - first < INT_TILE_ROWS ? n - first : INT_TILE_ROWS;
+        decode_int_tile(type, weight + first * stride, stride, rows, groups, &tile);
+        multiply_int_tile(type, &tile, groups, &rounded, m, rows, out + first, out_stride);
+    }
+    free(rounded.q);
+    return failed ? -2 : 0;
+}
+#else
 static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
     float *rounded = malloc((size_t)(m * k) * sizeof(float));
@@ -477,6 +505,7 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
     free(rounded);
     return failed ? -2 : 0;
 }
+#endif
 
 /* out [m, n] (row stride out_stride) = x [m, k] (row stride x_stride) @ W^T, W being
  * n rows of k values in ``type`` blocks at ``weight``, x rounded per group of 32
