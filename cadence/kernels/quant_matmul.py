@@ -44,6 +44,8 @@ SIGNATURES = {
     "quant_round_activations": [_PTR, _I64, _I64, _PTR],
     # type, weight, k, ids, count, out
     "quant_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _PTR],
+    # iterations -> multiply-adds done
+    "quant_int16_peak_macs": [_I64],
 }
 
 
@@ -53,6 +55,7 @@ class QuantMatmul:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = build.bind(library, SIGNATURES)
         self._matmul = self._functions["quant_matmul"]
+        self._functions["quant_int16_peak_macs"].restype = _I64
         describe = library.quant_matmul_isa
         describe.restype, describe.argtypes = ctypes.c_char_p, []
         self.isa: str = describe().decode()
@@ -85,6 +88,11 @@ class QuantMatmul:
         out = torch.empty_like(x)
         _check_status(self._functions["quant_round_activations"](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()))
         return out
+
+    def int16_peak_macs(self, iterations: int) -> int:
+        """Run the integer products' instruction ``iterations`` x 12 times from registers
+        (one core; for the benchmarks' peak): the multiply-adds done, 0 without AVX2."""
+        return int(self._functions["quant_int16_peak_macs"](iterations))
 
     def dequantize_rows(self, blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of W as float32 [*ids.shape, k] (an embedding lookup)."""

@@ -33,10 +33,11 @@ def exported_prototypes(source: str) -> dict[str, list[type]]:
     expanded = re.sub(r"\s+", " ", expanded)
     prototypes = {}
     # The declaration runs from the end of the previous one; "static" in it means not exported.
-    for match in re.finditer(r"([^;{}]*)\b(?:void|int) (\w+)\(([^)]*)\) \{", expanded):
+    for match in re.finditer(r"([^;{}]*)\b(?:void|int|int64_t) (\w+)\(([^)]*)\) \{", expanded):
         if re.search(r"\bstatic\b", match.group(1)):
             continue
-        prototypes[match.group(2)] = [_ctype(param) for param in match.group(3).split(",")]
+        params = match.group(3).strip()
+        prototypes[match.group(2)] = [] if params in ("", "void") else [_ctype(p) for p in params.split(",")]
     return prototypes
 
 

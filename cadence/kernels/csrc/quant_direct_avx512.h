@@ -21,7 +21,7 @@
 #define CADENCE_QUANT_DIRECT_AVX512_H
 
 /* acc + the pairwise sums of w * q (16 x 32-bit lanes). */
-static inline __m512i dot_words(__m512i acc, __m512i w, __m512i q) {
+static inline __attribute__((always_inline)) __m512i dot_words(__m512i acc, __m512i w, __m512i q) {
 #ifdef __AVX512VNNI__
     return _mm512_dpwssd_epi32(acc, w, q);
 #else
@@ -29,21 +29,21 @@ static inline __m512i dot_words(__m512i acc, __m512i w, __m512i q) {
 #endif
 }
 
-static inline __m512i join_halves(__m256i lo, __m256i hi) {
+static inline __attribute__((always_inline)) __m512i join_halves(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-static inline __m512i group_words(const RoundedGroups *x, int64_t i) {
+static inline __attribute__((always_inline)) __m512i group_words(const RoundedGroups *x, int64_t i) {
     return _mm512_loadu_si512((const void *)(x->q + i * GROUP));
 }
 
 /* acc += (w . q_i) * scale: group i of x against one group of weights w. */
-static inline __m512 scaled_group(__m512 acc, __m512i w, const RoundedGroups *x, int64_t i, float scale) {
+static inline __attribute__((always_inline)) __m512 scaled_group(__m512 acc, __m512i w, const RoundedGroups *x, int64_t i, float scale) {
     const __m512i sums = dot_words(_mm512_setzero_si512(), w, group_words(x, i));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale), acc);
 }
 
-static inline float hsum256(__m256 v) {
+static inline __attribute__((always_inline)) float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -53,7 +53,7 @@ static inline float hsum256(__m256 v) {
 /* ---------------------------------------------------------------- Q4_K
  * The eight 6-bit scales and mins of a super-block (12 packed bytes, see
  * q4_k_scale_min) as eight floats each: a = d * scale, b = -dmin * min. */
-static inline void q4_k_scales_512(const uint8_t *block, __m256 *a, __m256 *b) {
+static inline __attribute__((always_inline)) void q4_k_scales_512(const uint8_t *block, __m256 *a, __m256 *b) {
     uint32_t word[3];
     memcpy(word, block + 4, sizeof word);
     const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void q4_k_rows_512(int R, const uin
  * A half super-block (128 values, groups 4n .. 4n + 3, see q6_k_group): 64 bytes
  * of low nibbles, 32 of high bit pairs, widened once; each group's values q - 32
  * times its two per-16 scales, in 16-bit integers (|scale (q - 32)| <= 4096). */
-static inline void q6_k_half_512(const uint8_t *block, int n, __m512i w[4]) {
+static inline __attribute__((always_inline)) void q6_k_half_512(const uint8_t *block, int n, __m512i w[4]) {
     const uint8_t *ql = block + 64 * n, *qh = block + 128 + 32 * n;
     const __m512i first = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)ql));
     const __m512i second = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32)));
