@@ -384,11 +384,12 @@ class PagedAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # Write first (see the module docstring), then read back from the cache.
-        self.kv_cache.write(layer_idx, k, v, self.metadata.slot_mapping)
+        # (With KV cache groups each layer's plan has its group's slots and table.)
+        metadata = self.layer_metadata.get(layer_idx, self.metadata)
+        self.kv_cache.write(layer_idx, k, v, metadata.slot_mapping)
         key_blocks = self.kv_cache.keys(layer_idx)  # [num_blocks, bs, Hkv, D]
         value_blocks = self.kv_cache.values(layer_idx)
         out = torch.empty_like(q)  # [T, Hq, D]
-        metadata = self.layer_metadata.get(layer_idx, self.metadata)
         short = metadata.short
         if short is not None:
             scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
