@@ -93,10 +93,12 @@ class HybridKVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
-    def group_usage(self) -> list[float]:
-        """Per group, the fraction of the usable blocks its requests own."""
+    def group_usage(self) -> dict[str, float]:
+        """Per group ("0:full", "1:window512", ...), the fraction of the usable blocks
+        its requests own (they add up to ``usage``)."""
         usable = self.block_pool.num_blocks - 1
-        return [n / usable for n in self.num_owned_blocks]
+        return {f"{g}:{'full' if w is None else f'window{w}'}": n / usable
+                for g, (w, n) in enumerate(zip(self.sliding_windows, self.num_owned_blocks))}
 
     def get_block_ids(self, request_id: str) -> GroupBlockIds:
         groups = self.req_to_blocks.get(request_id)

@@ -66,9 +66,9 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
-    def group_usage(self) -> list[float]:
-        """Per group of layers (here one), the fraction of blocks requests own."""
-        return [self.block_pool.usage]
+    def group_usage(self) -> dict[str, float]:
+        """Per group of layers (here one, full attention), the fraction of blocks requests own."""
+        return {"0:full": self.block_pool.usage}
 
     def num_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         """Blocks one request of ``num_tokens`` tokens holds at most."""

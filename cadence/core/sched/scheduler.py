@@ -123,6 +123,8 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
             log_stats=log_stats,
             layout=kv_cache_layout,
         )
+        # Stats report each group's share of the blocks where there are groups.
+        self._reports_group_usage = kv_cache_layout is not None and kv_cache_layout.is_hybrid
         policy = self.policy = configured_policy(scheduler_config)
         policy.set_clock(clock)
         policy.bind_kv_cache_manager(self.kv_cache_manager)
@@ -755,6 +757,7 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_group_usage=self.kv_cache_manager.group_usage() if self._reports_group_usage else None,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats(),
             spec_decoding_stats=spec_decoding_stats,
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),
