@@ -74,7 +74,7 @@ def assemble_engine(
     scheduler_config = _scheduler_config(options, model_config)
     model.limit_positions(scheduler_config.max_model_len)  # before any runner reads the tables
     setup = device_setup(options, model, model_config, log)
-    setup.kv_cache_layout = _kv_cache_layout(options, model_config, scheduler_config, setup.device, log)
+    setup.kv_cache_layout = _kv_cache_layout(options, model_config, scheduler_config, setup, log)
     num_blocks = setup.num_kv_blocks(scheduler_config)
     cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks,
                                        kv_cache_dtype=cache_dtype_name(setup.kv_cache_dtype))
@@ -113,7 +113,7 @@ def _scheduler_config(options: EngineOptions, model_config: ModelConfig) -> Sche
 
 
 def _kv_cache_layout(options: EngineOptions, model_config: ModelConfig, scheduler_config: SchedulerConfig,
-                     device: torch.device, log) -> KVCacheLayout | None:
+                     setup: DeviceSetup, log) -> KVCacheLayout | None:
     """The model's KV cache groups (None: one full-length group for every layer), and why not where
     a model with windows keeps one group."""
     layout = plan_kv_cache_layout(model_config.num_hidden_layers, scheduler_config.sliding_window,
@@ -124,7 +124,7 @@ def _kv_cache_layout(options: EngineOptions, model_config: ModelConfig, schedule
         ("kv_cache_groups off", not options.cache.kv_cache_groups),
         ("a KV connector (host tier, P/D) moves one block table per request", options.kv_transfer is not None),
         ("KV cache events name blocks of one table", options.cache.enable_kv_cache_events),
-        (f"the {device.type} attention path reads one table", device.type != "cpu"),
+        (setup.one_kv_cache_group_reason, setup.one_kv_cache_group_reason is not None),
         ("tensor-parallel ranks build one table", options.parallel.tensor_parallel_size > 1),
     ) if applies]
     if reasons:

@@ -72,6 +72,8 @@ class DeviceSetup:
     # KV cache groups (cadence.core.kv_cache.groups), set by the engine's builder
     # before the cache is sized; None: one full-length group for every layer.
     kv_cache_layout = None
+    # Why this device keeps one group for every layer (None: it runs groups).
+    one_kv_cache_group_reason: str | None = None
 
     def __init__(self, options: EngineOptions, model: LlamaForCausalLM, model_config: ModelConfig,
                  device: torch.device, log: TextIO) -> None:
@@ -196,6 +198,8 @@ class CpuSetup(DeviceSetup):
 
 class GpuSetup(DeviceSetup):
     """A CUDA device: the runner is built first, to measure what its KV cache may take."""
+
+    one_kv_cache_group_reason = "the Triton attention reads one block table per request"
 
     flops = 3e14
     copy_bytes_per_second = 2.5e10  # PCIe to pinned host memory

@@ -341,22 +341,13 @@ class ModelRunner(RunnerBase):
             inputs = pad_step(inputs, invariance.min_rows)
             if inputs.num_padding and self.lora is not None:
                 self._set_lora_step(step, inputs.num_padding)
-        group_plans = None
-        if self.kv_cache_layout is not None:
-            group_plans = self._plan_groups(inputs)
-            metadata = group_plans[0]
-            group_of = self.kv_cache_layout.group_of_layer()
-            layer_metadata = {layer: group_plans[g] for layer, g in group_of.items()}
-        else:
-            metadata = self._plan_attention(inputs, self.sliding_window)
+        group_plans = self._plan_groups(inputs) if self.kv_cache_layout is not None else None
+        metadata = group_plans[0] if group_plans else self._plan_attention(inputs, self.sliding_window)
         # (Pieces of long queries on the C kernel are not the one-call decoder's: decode steps only.)
         if self.fused_decoder is not None and self.fused_decoder.covers(metadata) and not metadata.native_long:
             hidden = self.fused_decoder.forward(inputs.input_ids, inputs.positions, metadata, group_plans)
             return hidden[:step.num_tokens], step.logits_indices
-        if self.kv_cache_layout is None:
-            layer_metadata = {}
-            if self.full_attention_layers:
-                layer_metadata = dict.fromkeys(self.full_attention_layers, self._plan_attention(inputs, None))
+        layer_metadata = self._layer_plans(inputs, group_plans)
         config = self.model_config
         attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel,
                                    layer_metadata=layer_metadata, scale=config.attention_scale,
@@ -364,6 +355,16 @@ class ModelRunner(RunnerBase):
         device = self.device
         hidden = self.model(inputs.input_ids.to(device), inputs.positions.to(device), attention)
         return hidden[:step.num_tokens], step.logits_indices.to(device)
+
+    def _layer_plans(self, inputs: ForwardInputs, group_plans: list[AttentionMetadata] | None
+                     ) -> dict[int, AttentionMetadata]:
+        """The plans of layers that do not read the step's first plan: with KV cache
+        groups, each layer its group's; else the full-attention layers (Gemma's global ones)."""
+        if group_plans is not None:
+            return {layer: group_plans[g] for layer, g in self.kv_cache_layout.group_of_layer().items()}
+        if not self.full_attention_layers:
+            return {}
+        return dict.fromkeys(self.full_attention_layers, self._plan_attention(inputs, None))
 
     def _plan_groups(self, inputs: ForwardInputs) -> list[AttentionMetadata]:
         """One plan per KV cache group: its table, its slots, its window."""

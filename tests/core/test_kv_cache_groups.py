@@ -38,6 +38,13 @@ def test_models_without_windows_keep_the_plain_manager():
     assert every_layer_windowed.num_groups == 1 and every_layer_windowed.is_hybrid
 
 
+def test_the_longest_request_a_cache_holds_counts_every_group():
+    layout = plan_kv_cache_layout(2, 8, (1,))  # full [1]; window 8 [0]
+    # 41 blocks, one the null block; the window group holds at most ceil((7 + 16) / 4) + 1 = 7.
+    assert layout.max_request_tokens(41, BS, 16) == (40 - 7) * BS
+    assert plan_kv_cache_layout(2, 8, ()).max_request_tokens(41, BS, 16) >= 1 << 40  # windows only
+
+
 def _manager(num_blocks=64, window=8, caching=True):
     return HybridKVCacheManager(num_blocks, BS, 256, sliding_windows=(None, window), enable_caching=caching)
 

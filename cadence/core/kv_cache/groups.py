@@ -65,11 +65,7 @@ class KVCacheLayout:
         return {layer: s for group in self.groups for s, layer in enumerate(group.layer_ids)}
 
     def num_blocks_per_request(self, num_tokens: int, block_size: int, max_num_batched_tokens: int) -> int:
-        """Blocks one request of ``num_tokens`` tokens holds at most, all groups
-        together: a window group its window and one step's chunk."""
-        full = -(-num_tokens // block_size)
-        window_cap = lambda w: -(-(w - 1 + max_num_batched_tokens) // block_size) + 1  # noqa: E731
-        return sum(full if w is None else min(full, window_cap(w)) for w in self.sliding_windows)
+        return blocks_per_request(self.sliding_windows, num_tokens, block_size, max_num_batched_tokens)
 
     def max_request_tokens(self, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> int:
         """The longest request ``num_blocks`` blocks (the null block among them) hold, in tokens."""
@@ -91,6 +87,21 @@ class KVCacheLayout:
             kind = "full" if group.sliding_window is None else f"window {group.sliding_window}"
             parts.append(f"{kind} [{','.join(map(str, group.layer_ids))}]")
         return f"{self.num_groups} KV cache groups of {self.layers_per_group} layers: " + "; ".join(parts)
+
+
+def blocks_per_request(
+    sliding_windows: tuple[int | None, ...], num_tokens: int, block_size: int, max_num_batched_tokens: int
+) -> int:
+    """Blocks one request of ``num_tokens`` tokens holds at most, all groups together.
+
+    A window group holds, after the step's allocation freed what is behind the
+    window of its first query, the window and the step's chunk (vLLM's bound):
+    ceil((W - 1 + chunk) / block_size) + 1 blocks, the +1 for a window that
+    starts inside a block.
+    """
+    full = -(-num_tokens // block_size)
+    window_cap = lambda w: -(-(w - 1 + max_num_batched_tokens) // block_size) + 1  # noqa: E731
+    return sum(full if w is None else min(full, window_cap(w)) for w in sliding_windows)
 
 
 def single_group(num_layers: int) -> KVCacheLayout:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from cadence.core.kv_cache.groups import blocks_per_request
 from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, extend_block_hashes
 from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
@@ -55,7 +56,7 @@ class HybridKVCacheManager:
     ) -> None:
         if enable_kv_cache_events:
             raise ValueError("enable_kv_cache_events: not recorded for KV cache groups "
-                             "(force one group: hybrid_kv_cache off)")
+                             "(one group: kv_cache_groups off)")
         if num_blocks < 2:
             raise ValueError("num_blocks: KV cache groups need >= 2 blocks (one is the null block)")
         if any(w is not None and w < 1 for w in sliding_windows):
@@ -108,10 +109,8 @@ class HybridKVCacheManager:
 
     def num_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         """Blocks one request of ``num_tokens`` tokens holds at most, all groups
-        together: a window group holds its window and one step's chunk."""
-        bs, full = self.block_size, -(-num_tokens // self.block_size)
-        window_cap = lambda w: -(-(w - 1 + max_num_batched_tokens) // bs) + 1  # noqa: E731
-        return sum(full if w is None else min(full, window_cap(w)) for w in self.sliding_windows)
+        together (``groups.blocks_per_request``)."""
+        return blocks_per_request(self.sliding_windows, num_tokens, self.block_size, max_num_batched_tokens)
 
     def max_concurrency(self, num_tokens: int, max_num_batched_tokens: int) -> float:
         """Requests of ``num_tokens`` tokens the pool holds at once."""
