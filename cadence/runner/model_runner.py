@@ -367,12 +367,16 @@ class ModelRunner(RunnerBase):
         return dict.fromkeys(self.full_attention_layers, self._plan_attention(inputs, None))
 
     def _plan_groups(self, inputs: ForwardInputs) -> list[AttentionMetadata]:
-        """One plan per KV cache group: its table, its slots, its window."""
-        return [
-            self._plan_attention(inputs, group.sliding_window, inputs.group_block_tables[g],
-                                 inputs.group_slot_mappings[g])
-            for g, group in enumerate(self.kv_cache_layout.groups)
-        ]
+        """One plan per KV cache group: its table, its slots, its window (the first
+        group's plan read through the others' tables where that is one gather)."""
+        tables, slots = inputs.group_block_tables, inputs.group_slot_mappings
+        plans = []
+        for g, group in enumerate(self.kv_cache_layout.groups):
+            plan = plans[0].through(tables[g], slots[g], group.sliding_window) if plans else None
+            if plan is None:
+                plan = self._plan_attention(inputs, group.sliding_window, tables[g], slots[g])
+            plans.append(plan.to(self.device))
+        return plans
 
     def _plan_attention(
         self, inputs: ForwardInputs, sliding_window: int | None,
