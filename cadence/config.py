@@ -264,6 +264,13 @@ class CacheConfig:
         None, "Fraction of the GPU's memory the engine may use for weights, activations and "
               "KV cache (default 0.9); the cache gets what a profile run leaves. CUDA only."
     )
+    kv_cache_groups: bool = option(
+        True, "Layers that share an attention type share a block table, and sliding-window "
+              "layers free the blocks behind their window (vLLM's hybrid KV cache manager), so a "
+              "model with windows (Gemma 2/3, Mistral) holds more sequences in the same memory; "
+              "off: every layer keeps the whole context. On the CPU, without a KV connector or "
+              "KV cache events, with tensor_parallel_size 1; elsewhere one group, logged."
+    )
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", "must be >= 1")

@@ -156,6 +156,9 @@ class SchedulerStats(msgspec.Struct, gc=False):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
+    # With KV cache groups: each group's share of the blocks ("0:full", "1:window512", ...);
+    # None with one group of full attention.
+    kv_cache_group_usage: dict[str, float] | None = None
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     spec_decoding_stats: SpecDecodingStats | None = None
     num_corrupted_reqs: int = 0

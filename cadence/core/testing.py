@@ -118,6 +118,11 @@ class FakeRunner(RunnerBase):
     step attends to holds the token it should, which is what a real model
     reads. A block handed out as a prefix-cache hit that no step wrote fails
     here, even when the token streams come out right.
+
+    ``sliding_windows`` (one per KV cache group, ``kv_cache/groups.py``): block
+    ids come as one list per group; a window group's step reads only the
+    positions its window shows (from the step's first query - W + 1 on), and
+    no step may write the null block (0).
     """
 
     def __init__(
@@ -127,8 +132,10 @@ class FakeRunner(RunnerBase):
         draft_fn: DraftFn | None = None,
         block_size: int | None = None,
         check_kv: bool = False,
+        sliding_windows: tuple[int | None, ...] | None = None,
     ) -> None:
         self.token_fn = token_fn
+        self.sliding_windows = sliding_windows
         self.draft_fn = draft_fn
         self.block_size = block_size
         if check_kv and block_size is None:
@@ -193,19 +200,19 @@ class FakeRunner(RunnerBase):
         for new in so.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
-            self.block_ids[new.req_id] = list(new.block_ids)
+            self.block_ids[new.req_id] = _copy_ids(new.block_ids)
             if new.sampling_params.pooling is not None:
                 self.pooling.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
-                self.block_ids[req_id] = list(cached.new_block_ids[i])  # the whole new list
+                self.block_ids[req_id] = _copy_ids(cached.new_block_ids[i])  # the whole new list
             else:
                 assert self.computed[req_id] == cached.num_computed_tokens[i], (
                     f"{req_id}: scheduler says {cached.num_computed_tokens[i]} computed, "
                     f"runner has {self.computed[req_id]}"
                 )
-                self.block_ids[req_id].extend(cached.new_block_ids[i])
+                _extend_ids(self.block_ids[req_id], cached.new_block_ids[i])
             self.computed[req_id] = cached.num_computed_tokens[i]
 
     def _check_kv(self, scheduled: dict[str, int], drafts: dict[str, list[int]]) -> None:
@@ -218,10 +225,21 @@ class FakeRunner(RunnerBase):
             tokens = self.tokens[req_id] + list(drafts.get(req_id, ()))
             start = self.computed[req_id]
             spans.append((req_id, tokens, start, start + num_scheduled))
+        if self.sliding_windows is None:
+            for req_id, tokens, start, end in spans:
+                shadow.write(self.block_ids[req_id], tokens, start, end)
+            for req_id, tokens, start, end in spans:
+                shadow.check_reads(req_id, self.block_ids[req_id], tokens, end)
+            return
         for req_id, tokens, start, end in spans:
-            shadow.write(self.block_ids[req_id], tokens, start, end)
+            for block_ids in self.block_ids[req_id]:
+                assert all(block_ids[p // shadow.block_size] != 0 for p in range(start, end)), (
+                    f"{req_id}: a step writes the null block")
+                shadow.write(block_ids, tokens, start, end)
         for req_id, tokens, start, end in spans:
-            shadow.check_reads(req_id, self.block_ids[req_id], tokens, end)
+            for block_ids, window in zip(self.block_ids[req_id], self.sliding_windows):
+                first = 0 if window is None else max(0, start - window + 1)
+                shadow.check_reads(req_id, block_ids, tokens, end, first)
 
     def _run_one(self, req_id: str, num_scheduled: int, drafts: Sequence[int]) -> list[int]:
         tokens = self.tokens[req_id]
@@ -229,7 +247,9 @@ class FakeRunner(RunnerBase):
         end = start + num_scheduled
         assert end <= len(tokens) + len(drafts), f"{req_id}: scheduled past its known tokens"
         if self.block_size is not None:
-            assert len(self.block_ids[req_id]) * self.block_size >= end, f"{req_id}: too few blocks"
+            block_ids = self.block_ids[req_id]
+            for ids in (block_ids if isinstance(block_ids, tuple) else (block_ids,)):
+                assert len(ids) * self.block_size >= end, f"{req_id}: too few blocks"
         if not samples(start, num_scheduled, len(tokens)):
             self.computed[req_id] = end
             return []
@@ -268,10 +288,13 @@ class ShadowKV:
         for pos in range(start, end):
             self.slots[(block_ids[pos // size], pos % size)] = tokens[pos]
 
-    def check_reads(self, req_id: str, block_ids: list[int], tokens: Sequence[int], end: int) -> None:
-        """Every position before ``end`` (the causal context of the step's last row)."""
+    def check_reads(
+        self, req_id: str, block_ids: list[int], tokens: Sequence[int], end: int, first: int = 0
+    ) -> None:
+        """Every position from ``first`` (a window's first visible key) to ``end``
+        (the causal context of the step's last row)."""
         size, slots = self.block_size, self.slots
-        for pos in range(end):
+        for pos in range(first, end):
             slot = (block_ids[pos // size], pos % size)
             held = slots.get(slot)
             if held != tokens[pos]:
@@ -279,7 +302,22 @@ class ShadowKV:
                     f"{req_id}: position {pos} reads block {slot[0]} offset {slot[1]}, which holds "
                     f"{'nothing written' if held is None else f'token {held}'}, not token {tokens[pos]}"
                 )
-        self.num_reads_checked += end
+        self.num_reads_checked += end - first
+
+
+def _copy_ids(block_ids):
+    """A request's block ids as sent (a list, or one list per KV cache group), copied."""
+    if isinstance(block_ids, tuple):
+        return tuple(list(ids) for ids in block_ids)
+    return list(block_ids)
+
+
+def _extend_ids(block_ids, new_block_ids) -> None:
+    if isinstance(block_ids, tuple):
+        for ids, new in zip(block_ids, new_block_ids):
+            ids.extend(new)
+    else:
+        block_ids.extend(new_block_ids)
 
 
 # ----------------------------------------------------------------------
@@ -451,7 +489,7 @@ def token_streams(outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, list[
 def all_blocks_free(scheduler: Scheduler) -> bool:
     """Every KV block back in the pool, and no request holding any."""
     kv = scheduler.kv_cache_manager
-    return kv.num_free_blocks == kv.block_pool.num_blocks and not kv.req_to_blocks
+    return kv.num_free_blocks + kv.num_reserved_blocks == kv.block_pool.num_blocks and not kv.req_to_blocks
 
 
 def ref_counts(scheduler: Scheduler, block_ids: Iterable[int]) -> list[int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.config import CacheConfig, EngineOptions, SchedulerConfig
+from cadence.core.kv_cache import KVCacheLayout, plan_kv_cache_layout
 from cadence.core.sched.kv_connector import KVConnectorContext
 from cadence.core.sched.scheduler import Scheduler
 from cadence.core.sched.structured_output import StructuredOutputManager
@@ -73,15 +74,19 @@ def assemble_engine(
     scheduler_config = _scheduler_config(options, model_config)
     model.limit_positions(scheduler_config.max_model_len)  # before any runner reads the tables
     setup = device_setup(options, model, model_config, log)
+    setup.kv_cache_layout = _kv_cache_layout(options, model_config, scheduler_config, setup, log)
     num_blocks = setup.num_kv_blocks(scheduler_config)
     cache_config = dataclasses.replace(options.cache, num_gpu_blocks=num_blocks,
                                        kv_cache_dtype=cache_dtype_name(setup.kv_cache_dtype))
-    scheduler_config = _fit_to_cache(scheduler_config, num_blocks * cache_config.block_size, log)
+    scheduler_config = _fit_to_cache(
+        scheduler_config, _cache_capacity(setup.kv_cache_layout, num_blocks, cache_config.block_size,
+                                          scheduler_config.max_num_batched_tokens), log)
     setup.log_kv_cache(num_blocks, cache_config.block_size)
     grammar_backend = None if tokenizer is None else make_grammar_backend(
         options.engine.structured_outputs_backend, tokenizer, model_config.vocab_size)
     connector_context = _connector_context(options, cache_config, setup)
-    scheduler = _make_scheduler(options, scheduler_config, cache_config, connector_context, grammar_backend)
+    scheduler = _make_scheduler(options, scheduler_config, cache_config, connector_context, grammar_backend,
+                                setup.kv_cache_layout)
     # After the scheduler: options it refuses never start tensor-parallel workers.
     runner = setup.make_runner(scheduler_config, num_blocks)
     if connector_context is not None:
@@ -105,6 +110,37 @@ def _scheduler_config(options: EngineOptions, model_config: ModelConfig) -> Sche
     if model_config.sliding_window and scheduler_config.sliding_window is None:
         scheduler_config = dataclasses.replace(scheduler_config, sliding_window=model_config.sliding_window)
     return scheduler_config
+
+
+def _kv_cache_layout(options: EngineOptions, model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                     setup: DeviceSetup, log) -> KVCacheLayout | None:
+    """The model's KV cache groups (None: one full-length group for every layer), and why not where
+    a model with windows keeps one group."""
+    layout = plan_kv_cache_layout(model_config.num_hidden_layers, scheduler_config.sliding_window,
+                                  model_config.full_attention_layers)
+    if not layout.is_hybrid:
+        return None
+    reasons = [why for why, applies in (
+        ("kv_cache_groups off", not options.cache.kv_cache_groups),
+        ("a KV connector (host tier, P/D) moves one block table per request", options.kv_transfer is not None),
+        ("KV cache events name blocks of one table", options.cache.enable_kv_cache_events),
+        (setup.one_kv_cache_group_reason, setup.one_kv_cache_group_reason is not None),
+        ("tensor-parallel ranks build one table", options.parallel.tensor_parallel_size > 1),
+    ) if applies]
+    if reasons:
+        print(f"cadence: one KV cache group, every layer keeping the whole context ({'; '.join(reasons)})",
+              file=log)
+        return None
+    print(f"cadence: {layout.describe()}; the window groups free the blocks behind their window", file=log)
+    return layout
+
+
+def _cache_capacity(layout: KVCacheLayout | None, num_blocks: int, block_size: int,
+                    max_num_batched_tokens: int) -> int:
+    """The longest request the whole cache holds, in tokens."""
+    if layout is None:
+        return num_blocks * block_size
+    return layout.max_request_tokens(num_blocks, block_size, max_num_batched_tokens)
 
 
 def _fit_to_cache(scheduler_config: SchedulerConfig, cache_capacity: int, log) -> SchedulerConfig:
@@ -132,7 +168,8 @@ def _connector_context(options: EngineOptions, cache_config: CacheConfig,
 
 def _make_scheduler(options: EngineOptions, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                     connector_context: KVConnectorContext | None,
-                    grammar_backend: GrammarBackendBase | None) -> Scheduler:
+                    grammar_backend: GrammarBackendBase | None,
+                    kv_cache_layout: KVCacheLayout | None = None) -> Scheduler:
     return Scheduler(
         scheduler_config, cache_config, speculative_config=options.speculative, log_stats=True,
         lora_config=options.lora,
@@ -140,6 +177,7 @@ def _make_scheduler(options: EngineOptions, scheduler_config: SchedulerConfig, c
                       if connector_context is not None else None),
         structured_output_manager=(StructuredOutputManager(grammar_backend)
                                    if grammar_backend is not None else None),
+        kv_cache_layout=kv_cache_layout,
     )
 
 

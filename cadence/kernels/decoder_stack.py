@@ -53,7 +53,7 @@ class DecoderLayer(ctypes.Structure):
         ("down", BlockMatrix),
         ("router", BlockMatrix), ("experts", _PTR),
         ("key_cache", _PTR), ("value_cache", _PTR),
-        ("rotary", _I64), ("full_attention", _I64),
+        ("rotary", _I64), ("full_attention", _I64), ("group", _I64),
     ]
 
 
@@ -79,6 +79,7 @@ class DecoderStep(ctypes.Structure):
         ("slot_mapping", _PTR),
         ("query_start", _PTR), ("query_len", _PTR), ("seq_len", _PTR), ("block_table", _PTR),
         ("num_seqs", _I64), ("max_blocks", _I64), ("sliding_window", _I64),
+        ("group_block_tables", _PTR), ("group_slot_mappings", _PTR),
     ]
 
 
@@ -123,7 +124,7 @@ class DecoderStackKernel:
     def struct_layout(self) -> list[int]:
         """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep, BlockMatrix and
         ExpertMatrices, as C lays them out."""
-        out = (ctypes.c_int64 * 63)()
+        out = (ctypes.c_int64 * 66)()
         self._functions["decoder_struct_layout"](out)
         return list(out)
 

@@ -94,11 +94,14 @@ class ShortQueryIndex:
     seq_len: torch.Tensor  # [S] int64, context length after this step
     block_table: torch.Tensor  # [S, max_blocks] int32
     sliding_window: int | None
+    # Each entry's sequence in the step's block table (None: not kept), so a KV cache
+    # group's table is one gather away (``AttentionMetadata.through``).
+    seqs: torch.Tensor | None = None  # [S] int64
 
     def to(self, device: torch.device) -> "ShortQueryIndex":
         tensors = (self.query_start, self.query_len, self.seq_len, self.block_table)
         return ShortQueryIndex(*(t.to(device, non_blocking=True) for t in tensors),
-                               self.sliding_window)
+                               self.sliding_window, self.seqs)
 
 
 @dataclass
@@ -163,7 +166,7 @@ class AttentionMetadata:
             idx = torch.tensor(decodes + short, dtype=torch.long)
             short_index = ShortQueryIndex(
                 starts[idx], lens[idx], seqs[idx], block_table[idx].to(torch.int32).contiguous(),
-                sliding_window)
+                sliding_window, idx)
             decodes, short = [], []
         for group in _group_by_length(decodes, seq_lens) + _group_by_length(short, seq_lens):
             idx = torch.tensor(group, dtype=torch.long)
@@ -179,6 +182,19 @@ class AttentionMetadata:
             for s in long
         ]
         return cls(slot_mapping=slot_mapping, batched=batched, prefills=prefills, short=short_index)
+
+    def through(
+        self, block_table: torch.Tensor, slot_mapping: torch.Tensor, sliding_window: int | None
+    ) -> "AttentionMetadata | None":
+        """This plan read through another block table and slots (a KV cache group's), with
+        its window: one gather where the native kernel runs every query (decode steps);
+        None where the plan must be built anew (``build``)."""
+        short = self.short
+        if short is None or short.seqs is None or self.batched or self.prefills or self.native_long:
+            return None
+        table = block_table[short.seqs].to(torch.int32).contiguous()
+        index = ShortQueryIndex(short.query_start, short.query_len, short.seq_len, table, sliding_window, short.seqs)
+        return AttentionMetadata(slot_mapping=slot_mapping, batched=[], prefills=[], short=index)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The same plan with its tensors on ``device`` (itself when already there)."""
@@ -384,11 +400,12 @@ class PagedAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # Write first (see the module docstring), then read back from the cache.
-        self.kv_cache.write(layer_idx, k, v, self.metadata.slot_mapping)
+        # (With KV cache groups each layer's plan has its group's slots and table.)
+        metadata = self.layer_metadata.get(layer_idx, self.metadata)
+        self.kv_cache.write(layer_idx, k, v, metadata.slot_mapping)
         key_blocks = self.kv_cache.keys(layer_idx)  # [num_blocks, bs, Hkv, D]
         value_blocks = self.kv_cache.values(layer_idx)
         out = torch.empty_like(q)  # [T, Hq, D]
-        metadata = self.layer_metadata.get(layer_idx, self.metadata)
         short = metadata.short
         if short is not None:
             scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5

@@ -243,12 +243,17 @@ class ForwardInputs:
     seq_lens: list[int]  # [S]
     block_table: torch.Tensor  # [S, max_blocks] int32
     num_padding: int = 0
+    # KV cache groups: each group's slots and block tables (None: one group).
+    group_slot_mappings: torch.Tensor | None = None  # [G, T] int64
+    group_block_tables: torch.Tensor | None = None  # [G, S, max_blocks] int32
 
 
 def forward_inputs(step) -> ForwardInputs:
     """The step's own rows (``StepInputs``), unpadded."""
     return ForwardInputs(step.input_ids, step.positions, step.slot_mapping,
-                         step.query_start_loc.tolist(), step.seq_lens.tolist(), step.block_table)
+                         step.query_start_loc.tolist(), step.seq_lens.tolist(), step.block_table,
+                         group_slot_mappings=step.group_slot_mappings,
+                         group_block_tables=step.group_block_tables)
 
 
 def pad_step(inputs: ForwardInputs, min_rows: int) -> ForwardInputs:
@@ -274,7 +279,16 @@ def pad_step(inputs: ForwardInputs, min_rows: int) -> ForwardInputs:
         seq_lens=inputs.seq_lens + [last_position + 1] * num_padding,
         block_table=repeat(inputs.block_table),
         num_padding=num_padding,
+        group_slot_mappings=_repeat_last(inputs.group_slot_mappings, num_padding),
+        group_block_tables=_repeat_last(inputs.group_block_tables, num_padding),
     )
+
+
+def _repeat_last(t: torch.Tensor | None, num_padding: int) -> torch.Tensor | None:
+    """[G, N, ...] with each group's last row repeated ``num_padding`` times along N."""
+    if t is None:
+        return None
+    return torch.cat([t, t[:, -1:].expand(t.shape[0], num_padding, *t.shape[2:])], dim=1).contiguous()
 
 
 def _name(dtype: torch.dtype) -> str:

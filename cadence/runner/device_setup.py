@@ -69,6 +69,11 @@ class DeviceSetup:
     flops: float
     copy_bytes_per_second: float
     cache_note = ""  # after the KV cache's line: when its memory is committed
+    # KV cache groups (cadence.core.kv_cache.groups), set by the engine's builder
+    # before the cache is sized; None: one full-length group for every layer.
+    kv_cache_layout = None
+    # Why this device keeps one group for every layer (None: it runs groups).
+    one_kv_cache_group_reason: str | None = None
 
     def __init__(self, options: EngineOptions, model: LlamaForCausalLM, model_config: ModelConfig,
                  device: torch.device, log: TextIO) -> None:
@@ -88,7 +93,7 @@ class DeviceSetup:
         raise NotImplementedError
 
     def bytes_per_block(self, block_size: int) -> int:
-        return bytes_per_block(self.model_config, block_size, self.kv_cache_dtype)
+        return bytes_per_block(self.model_config, block_size, self.kv_cache_dtype, self.kv_cache_layout)
 
     def seconds_per_token(self) -> float:
         """Seconds to compute one token's KV: two FLOPs per weight at a rough rate."""
@@ -96,8 +101,11 @@ class DeviceSetup:
         return 2 * num_params / self.flops
 
     def log_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        size = f"{num_blocks * block_size} tokens"
+        if self.kv_cache_layout is not None:  # a block holds one group's layers
+            size = f"{num_blocks * block_size} tokens of {self.kv_cache_layout.layers_per_group} layers"
         print(f"cadence: KV cache {num_blocks} blocks x {block_size} tokens = "
-              f"{num_blocks * block_size} tokens, {num_blocks * self.bytes_per_block(block_size) / 2**20:.0f} MiB "
+              f"{size}, {num_blocks * self.bytes_per_block(block_size) / 2**20:.0f} MiB "
               f"({cache_dtype_name(self.kv_cache_dtype)}, {self.device}{self._kv_dtype_note()}){self.cache_note}",
               file=self.log)
 
@@ -149,7 +157,8 @@ class CpuSetup(DeviceSetup):
             budget = parse_memory(cache.kv_cache_memory, available)
         else:
             budget = min(DEFAULT_KV_CACHE_MEMORY, available // 4)
-        num_blocks = num_blocks_for_budget(budget, self.model_config, cache.block_size, self.kv_cache_dtype)
+        num_blocks = num_blocks_for_budget(budget, self.model_config, cache.block_size, self.kv_cache_dtype,
+                                           self.kv_cache_layout)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes do not hold one KV block")
         return num_blocks
@@ -173,6 +182,8 @@ class CpuSetup(DeviceSetup):
             batch_invariant=options.engine.batch_invariant
             if options.parallel.tensor_parallel_size == 1 else "off",
         )
+        if self.kv_cache_layout is not None:  # (the builder keeps one group under tensor parallelism)
+            runner_args["kv_cache_layout"] = self.kv_cache_layout
         size = options.parallel.tensor_parallel_size
         if size == 1:
             return ModelRunner(self.model, self.model_config, **runner_args)
@@ -187,6 +198,8 @@ class CpuSetup(DeviceSetup):
 
 class GpuSetup(DeviceSetup):
     """A CUDA device: the runner is built first, to measure what its KV cache may take."""
+
+    one_kv_cache_group_reason = "the Triton attention reads one block table per request"
 
     flops = 3e14
     copy_bytes_per_second = 2.5e10  # PCIe to pinned host memory

@@ -49,6 +49,7 @@ from cadence.models.moe import SparseMoE
 from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache.groups import KVCacheLayout
     from cadence.models.config import ModelConfig
     from cadence.runner.attention import AttentionMetadata
     from cadence.runner.kv_cache import PagedKVCache
@@ -61,7 +62,8 @@ class FusedDecoder:
     """
 
     def __init__(self, kernel: DecoderStackKernel, model: LlamaForCausalLM, config: "ModelConfig",
-                 kv_cache: "PagedKVCache", full_attention_layers: tuple[int, ...] = ()) -> None:
+                 kv_cache: "PagedKVCache", full_attention_layers: tuple[int, ...] = (),
+                 layout: "KVCacheLayout | None" = None) -> None:
         self.kernel = kernel
         self.model = model
         self.kv_cache = kv_cache
@@ -87,12 +89,16 @@ class FusedDecoder:
         layers = model.model.layers
         self.layers = (DecoderLayer * len(layers))(*(
             self._layer(layer, kv_cache, i, config, i in full_attention_layers) for i, layer in enumerate(layers)))
+        if layout is not None:  # each layer reads its KV cache group's table (forward's group_plans)
+            for i, g in layout.group_of_layer().items():
+                self.layers[i].group = g
         self.final_norm = model.model.norm.fused_weight()
 
     @classmethod
     def build(cls, arch: str | None, model: torch.nn.Module, config: "ModelConfig", kv_cache: "PagedKVCache",
               *, uses_fused_ops: bool, uses_attention_kernel: bool,
-              full_attention_layers: tuple[int, ...] = ()) -> tuple["FusedDecoder | None", str]:
+              full_attention_layers: tuple[int, ...] = (),
+              layout: "KVCacheLayout | None" = None) -> tuple["FusedDecoder | None", str]:
         """The fused decoder for this model, built for ``-march=arch`` (None: no C kernels), or None and why not.
         ``full_attention_layers``: the layers that ignore the step's attention window."""
         reason = _why_not(model, config, kv_cache, uses_fused_ops, uses_attention_kernel)
@@ -103,7 +109,7 @@ class FusedDecoder:
             reason = "the C library did not build"
         if reason is not None:
             return None, f"decode steps layer by layer ({reason})"
-        return (cls(kernel, model, config, kv_cache, full_attention_layers),
+        return (cls(kernel, model, config, kv_cache, full_attention_layers, layout),
                 "decode steps through all layers in one C call")
 
     def _layer(self, layer: torch.nn.Module, kv_cache: "PagedKVCache", index: int, config: "ModelConfig",
@@ -157,8 +163,11 @@ class FusedDecoder:
         return metadata.short is not None and not metadata.batched and not metadata.prefills
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: "AttentionMetadata") -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of the step's tokens (keys and values written)."""
+                metadata: "AttentionMetadata", group_plans: "list[AttentionMetadata] | None" = None
+                ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the step's tokens (keys and values written).
+        ``group_plans``: with KV cache groups, each group's plan (``metadata`` is group 0's);
+        each layer writes its group's slots and reads its group's block table."""
         hidden = self.model.model.embed(input_ids).contiguous()  # [T, hidden] float32, the residual stream
         # float32 [T, R] each; held here, so the pointers below stay valid through the call
         decoder = self.model.model
@@ -172,6 +181,17 @@ class FusedDecoder:
         for index in (short.query_start, short.query_len, short.seq_len):
             _check_index(index, torch.int64, short.seq_len.shape[0])
         _check_index(short.block_table, torch.int32, None)
+        group_tables = group_slots = None
+        window = short.sliding_window or 0  # (layers flagged full_attention ignore it)
+        if group_plans is not None:
+            window = next((p.short.sliding_window for p in group_plans if p.short.sliding_window), 0)
+            # [G, S, max_blocks] and [G, T], held here through the call
+            group_tables = torch.stack([plan.short.block_table for plan in group_plans]).contiguous()
+            group_slots = torch.stack([plan.slot_mapping for plan in group_plans]).contiguous()
+            _check_index(group_tables, torch.int32, len(group_plans))
+            _check_index(group_slots, torch.int64, len(group_plans))
+            if group_tables.shape[1:] != short.block_table.shape or group_slots.shape[1] != hidden.shape[0]:
+                raise ValueError("fused decoder: the KV cache groups' plans differ in shape")
         step = DecoderStep(
             num_tokens=hidden.shape[0], cos=cos.data_ptr(), sin=sin.data_ptr(),
             sliding_cos=None if sliding_cos is None else sliding_cos.data_ptr(),
@@ -179,7 +199,9 @@ class FusedDecoder:
             slot_mapping=slots.data_ptr(), query_start=short.query_start.data_ptr(),
             query_len=short.query_len.data_ptr(), seq_len=short.seq_len.data_ptr(),
             block_table=short.block_table.data_ptr(), num_seqs=short.seq_len.shape[0],
-            max_blocks=short.block_table.shape[1], sliding_window=short.sliding_window or 0,
+            max_blocks=short.block_table.shape[1], sliding_window=window,
+            group_block_tables=None if group_tables is None else group_tables.data_ptr(),
+            group_slot_mappings=None if group_slots is None else group_slots.data_ptr(),
         )
         out = torch.empty_like(hidden)
         self.kernel.run(self.shape, self.layers, self.final_norm, step, hidden, out)

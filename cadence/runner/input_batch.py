@@ -12,6 +12,11 @@ Rows stay dense: removing a request moves the last row into the hole.
                       |<------- num_tokens --------->|drafts| (this step only)
     block_table[row]  |b7 b2 b9 |  ...unused
                       |<-num_blocks->|
+
+With KV cache groups (``cadence.core.kv_cache.groups``) each group has its
+own table, ``block_tables[g]``, all of one length per row (a window group's
+entries behind its window are the null block or blocks freed since, never
+read); block ids come as one list per group.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class RequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_ids: list[int]  # with KV cache groups, one list per group (a tuple)
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt positions whose logprobs were already reported (a recompute after
@@ -98,6 +103,10 @@ class StepInputs:
     # Token rows whose logits get sampled: for each sampling request, its last
     # 1 + num_drafts rows (the drafts' verification and the bonus token).
     logits_indices: torch.Tensor  # [N] int64
+    # KV cache groups: each group's slot of every token and block table (group 0's are
+    # slot_mapping and block_table); None with one group.
+    group_slot_mappings: torch.Tensor | None = None  # [G, T] int64
+    group_block_tables: torch.Tensor | None = None  # [G, S, max_blocks] int32
 
     @property
     def num_tokens(self) -> int:
@@ -108,15 +117,18 @@ class InputBatch:
     """Rows of per-request arrays, preallocated for ``max_num_reqs`` requests."""
 
     def __init__(
-        self, *, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int
+        self, *, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.block_size = block_size
+        self.num_groups = num_kv_cache_groups
         self.max_model_len = max_model_len
         # One spare column: a step's bonus token may land at index max_model_len.
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known (no drafts)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.block_tables = np.zeros((num_kv_cache_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.block_table = self.block_tables[0]  # [max_num_reqs, max_blocks] (a view)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.pools = np.zeros(max_num_reqs, dtype=bool)  # pooling requests (sample nothing)
         self.states: list[RequestState] = []  # row -> request
@@ -164,7 +176,7 @@ class InputBatch:
     def _copy_row(self, src: int, dst: int) -> None:
         num_tokens, num_blocks = self.num_tokens[src], self.num_blocks[src]
         self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
-        self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
+        self.block_tables[:, dst, :num_blocks] = self.block_tables[:, src, :num_blocks]
         self.num_tokens[dst] = num_tokens
         self.num_blocks[dst] = num_blocks
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
@@ -175,26 +187,33 @@ class InputBatch:
     def append_block_ids(
         self, row: int, block_ids: list[int], *, mirror_only: bool = False
     ) -> None:
-        """Blocks appended to the request's list (``mirror_only``: already in it)."""
-        if not block_ids:
+        """Blocks appended to the request's list (``mirror_only``: already in it);
+        with KV cache groups, one list per group, all of one length."""
+        groups = block_ids if self.num_groups > 1 else (block_ids,)
+        if not groups[0]:
             return
         start = self.num_blocks[row]
-        end = start + len(block_ids)
+        end = start + len(groups[0])
         if end > self.block_table.shape[1]:
             raise RuntimeError(
                 f"request {self.states[row].req_id} needs {end} blocks, "
                 f"the block table holds {self.block_table.shape[1]}"
             )
-        self.block_table[row, start:end] = block_ids
+        for g, ids in enumerate(groups):
+            self.block_tables[g, row, start:end] = ids
         self.num_blocks[row] = end
         if not mirror_only:
-            self.states[row].block_ids.extend(block_ids)
+            if self.num_groups > 1:
+                for held, ids in zip(self.states[row].block_ids, groups):
+                    held.extend(ids)
+            else:
+                self.states[row].block_ids.extend(block_ids)
 
     def replace_block_ids(self, row: int, block_ids: list[int]) -> None:
         """The request's whole block list is new (it was preempted and resumed)."""
-        self.states[row].block_ids = []
+        self.states[row].block_ids = tuple([] for _ in block_ids) if self.num_groups > 1 else []
         self.num_blocks[row] = 0
-        self.append_block_ids(row, list(block_ids))
+        self.append_block_ids(row, block_ids)
 
     def append_token_ids(self, row: int, token_ids: list[int]) -> None:
         """Tokens sampled for the request (or sent by the scheduler) become known."""
@@ -239,6 +258,12 @@ class InputBatch:
         input_ids = self.token_ids[row_of, positions]  # [T]
         block_of = self.block_table[row_of, positions // self.block_size]  # [T]
         slot_mapping = block_of.astype(np.int64) * self.block_size + positions % self.block_size
+        group_slots = group_tables = None
+        if self.num_groups > 1:
+            group_blocks = self.block_tables[:, row_of, positions // self.block_size]  # [G, T]
+            group_slots = torch.from_numpy(np.ascontiguousarray(
+                group_blocks.astype(np.int64) * self.block_size + positions % self.block_size))
+            group_tables = torch.from_numpy(np.ascontiguousarray(self.block_tables[:, rows]))
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -256,6 +281,8 @@ class InputBatch:
             logits_indices=torch.from_numpy(
                 _logits_indices(query_start_loc, num_drafts, does_sample)
             ),
+            group_slot_mappings=group_slots,
+            group_block_tables=group_tables,
         )
 
     def _write_drafts(

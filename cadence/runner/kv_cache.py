@@ -22,6 +22,7 @@ from cadence.runner.cpu_paths import DTYPES
 from cadence.runner.host_memory import untouched_zeros
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache.groups import KVCacheLayout
     from cadence.models.config import ModelConfig
 
 
@@ -67,17 +68,22 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     return dtype
 
 
-def bytes_per_block(model_config: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
-    """Memory one block takes across all layers, keys and values together."""
+def bytes_per_block(
+    model_config: "ModelConfig", block_size: int, dtype: torch.dtype, layout: "KVCacheLayout | None" = None
+) -> int:
+    """Memory one block takes across all layers (with KV cache groups, one
+    group's layers: ``layout.layers_per_group``), keys and values together."""
     per_token = model_config.num_key_value_heads * kv_quant.row_elements(model_config.head_dim, dtype) * dtype.itemsize
-    return 2 * model_config.num_hidden_layers * block_size * per_token
+    num_layers = model_config.num_hidden_layers if layout is None else layout.layers_per_group
+    return 2 * num_layers * block_size * per_token
 
 
 def num_blocks_for_budget(
-    budget_bytes: int, model_config: "ModelConfig", block_size: int, dtype: torch.dtype
+    budget_bytes: int, model_config: "ModelConfig", block_size: int, dtype: torch.dtype,
+    layout: "KVCacheLayout | None" = None,
 ) -> int:
     """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
-    return max(0, int(budget_bytes) // bytes_per_block(model_config, block_size, dtype))
+    return max(0, int(budget_bytes) // bytes_per_block(model_config, block_size, dtype, layout))
 
 
 @dataclass
@@ -92,6 +98,10 @@ class PagedKVCache:
     """
 
     data: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]
+    # With KV cache groups (``cadence.core.kv_cache.groups``) the first axis is a
+    # group's layer slots, and block b of slot s holds whichever layer of block
+    # b's group sits in slot s: layer -> slot here. None: layer l is slot l.
+    layer_slots: tuple[int, ...] | None = None
 
     @classmethod
     def allocate(
@@ -104,7 +114,9 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        layer_slots: tuple[int, ...] | None = None,
     ) -> "PagedKVCache":
+        """``layer_slots``: layer -> slot, with ``num_layers`` slots (KV cache groups)."""
         kv_quant.check_head_dim(head_dim, dtype)
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, kv_quant.row_elements(head_dim, dtype))
         # Zeros, not empty: padded reads of unused slots must never see NaN/inf
@@ -114,8 +126,8 @@ class PagedKVCache:
             # low ids first and reuses a freed block that holds no cached
             # prefix before any other, so a light load touches the cache's
             # first pages only (issue 31: memory follows the work).
-            return cls(untouched_zeros(shape, dtype))
-        return cls(torch.zeros(shape, dtype=dtype, device=device))
+            return cls(untouched_zeros(shape, dtype), layer_slots)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), layer_slots)
 
     @classmethod
     def for_model(
@@ -126,9 +138,17 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        layout: "KVCacheLayout | None" = None,
     ) -> "PagedKVCache":
+        """``layout``: KV cache groups (None or one full group: a slot per layer)."""
+        layer_slots, num_layers = None, model_config.num_hidden_layers
+        if layout is not None and layout.num_groups > 1:
+            slot_of = layout.layer_slot()
+            layer_slots = tuple(slot_of[layer] for layer in range(num_layers))
+            num_layers = layout.layers_per_group
         return cls.allocate(
-            num_layers=model_config.num_hidden_layers,
+            num_layers=num_layers,
+            layer_slots=layer_slots,
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=model_config.num_key_value_heads,
@@ -161,11 +181,13 @@ class PagedKVCache:
     def keys(self, layer_idx: int) -> torch.Tensor:
         """Key blocks of one layer, ``[num_blocks, block_size, Hkv, D]`` (a view; for
         q8_0, D / 32 * 34 bytes per head)."""
-        return self.data[layer_idx, 0]
+        slot = layer_idx if self.layer_slots is None else self.layer_slots[layer_idx]
+        return self.data[slot, 0]
 
     def values(self, layer_idx: int) -> torch.Tensor:
         """Value blocks of one layer, ``[num_blocks, block_size, Hkv, D]`` (a view)."""
-        return self.data[layer_idx, 1]
+        slot = layer_idx if self.layer_slots is None else self.layer_slots[layer_idx]
+        return self.data[slot, 1]
 
     def write(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor

@@ -55,6 +55,7 @@ from cadence.runner.step_sampling import (
 
 if TYPE_CHECKING:
     from cadence.config import LoRAConfig, SpeculativeConfig
+    from cadence.core.kv_cache.groups import KVCacheLayout
     from cadence.core.request import LoRARequest
     from cadence.models.config import ModelConfig
     from cadence.models.llama import LlamaForCausalLM
@@ -82,6 +83,7 @@ class ModelRunner(RunnerBase):
         kv_connector: KVConnectorWorker | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         batch_invariant: str = "off",
+        kv_cache_layout: "KVCacheLayout | None" = None,
     ) -> None:
         """``cpu_paths`` (on a CPU device): which fast paths to take (packed oneDNN
         matmuls, C kernels); by default what ``choose_cpu_paths`` finds this CPU
@@ -94,7 +96,9 @@ class ModelRunner(RunnerBase):
         every step's forward (see ``cadence.runner.kv_transfer.base``).
         ``kv_cache_dtype``: the KV cache's element type (default ``dtype``).
         ``batch_invariant``: auto, on or off (``cadence.runner.batch_invariance``;
-        ``batch_invariance`` holds what it resolved to)."""
+        ``batch_invariance`` holds what it resolved to).
+        ``kv_cache_layout``: KV cache groups (``cadence.core.kv_cache.groups``):
+        each group's layers read its block table (the CPU backend only)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -112,6 +116,14 @@ class ModelRunner(RunnerBase):
         self.full_attention_layers = model_config.full_attention_layers if self.sliding_window else ()
         if self.attention_backend == "triton":
             _check_triton_supports(model_config, self.full_attention_layers)
+        # Several groups: each reads its own table (one group reads the step's only table).
+        self.kv_cache_layout = kv_cache_layout if kv_cache_layout and kv_cache_layout.num_groups > 1 else None
+        if self.kv_cache_layout is not None:
+            if self.attention_backend != "cpu":
+                raise ValueError("kv_cache_layout: KV cache groups run on the CPU backend only")
+            if kv_connector is not None:
+                raise ValueError("kv_cache_layout: a KV connector moves one table per request, "
+                                 "not one per KV cache group")
         num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
         self.max_blocks_per_req = -(-(max_model_len + num_spec) // block_size)
         self.input_batch = InputBatch(
@@ -119,6 +131,7 @@ class ModelRunner(RunnerBase):
             max_model_len=max_model_len,
             max_blocks_per_req=self.max_blocks_per_req,
             block_size=block_size,
+            num_kv_cache_groups=self.kv_cache_layout.num_groups if self.kv_cache_layout else 1,
         )
         self.group = model_config.num_attention_heads // model_config.num_key_value_heads
         self.stager = None
@@ -168,7 +181,7 @@ class ModelRunner(RunnerBase):
         self.scratch_block = num_blocks if extra else None
         self.kv_cache = PagedKVCache.for_model(
             self.model_config, num_blocks=num_blocks + extra, block_size=self.block_size,
-            dtype=self.kv_cache_dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device, layout=self.kv_cache_layout,
         )
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_cache)
@@ -267,7 +280,7 @@ class ModelRunner(RunnerBase):
             paths.decoder_stack_arch, self.model, self.model_config, self.kv_cache,
             uses_fused_ops=paths.fused_ops is not None and paths.fused_ops.supports(self.dtype),
             uses_attention_kernel=self.attention_kernel is not None,
-            full_attention_layers=tuple(self.full_attention_layers),
+            full_attention_layers=tuple(self.full_attention_layers), layout=self.kv_cache_layout,
         )
 
     # ------------------------------------------------------------ the step
@@ -328,14 +341,13 @@ class ModelRunner(RunnerBase):
             inputs = pad_step(inputs, invariance.min_rows)
             if inputs.num_padding and self.lora is not None:
                 self._set_lora_step(step, inputs.num_padding)
-        metadata = self._plan_attention(inputs, self.sliding_window)
+        group_plans = self._plan_groups(inputs) if self.kv_cache_layout is not None else None
+        metadata = group_plans[0] if group_plans else self._plan_attention(inputs, self.sliding_window)
         # (Pieces of long queries on the C kernel are not the one-call decoder's: decode steps only.)
         if self.fused_decoder is not None and self.fused_decoder.covers(metadata) and not metadata.native_long:
-            hidden = self.fused_decoder.forward(inputs.input_ids, inputs.positions, metadata)
+            hidden = self.fused_decoder.forward(inputs.input_ids, inputs.positions, metadata, group_plans)
             return hidden[:step.num_tokens], step.logits_indices
-        layer_metadata = {}
-        if self.full_attention_layers:
-            layer_metadata = dict.fromkeys(self.full_attention_layers, self._plan_attention(inputs, None))
+        layer_metadata = self._layer_plans(inputs, group_plans)
         config = self.model_config
         attention = PagedAttention(self.kv_cache, metadata, kernel=self.attention_kernel,
                                    layer_metadata=layer_metadata, scale=config.attention_scale,
@@ -344,13 +356,39 @@ class ModelRunner(RunnerBase):
         hidden = self.model(inputs.input_ids.to(device), inputs.positions.to(device), attention)
         return hidden[:step.num_tokens], step.logits_indices.to(device)
 
-    def _plan_attention(self, inputs: ForwardInputs, sliding_window: int | None) -> AttentionMetadata:
-        """The step's attention plan for layers attending within ``sliding_window``."""
+    def _layer_plans(self, inputs: ForwardInputs, group_plans: list[AttentionMetadata] | None
+                     ) -> dict[int, AttentionMetadata]:
+        """The plans of layers that do not read the step's first plan: with KV cache
+        groups, each layer its group's; else the full-attention layers (Gemma's global ones)."""
+        if group_plans is not None:
+            return {layer: group_plans[g] for layer, g in self.kv_cache_layout.group_of_layer().items()}
+        if not self.full_attention_layers:
+            return {}
+        return dict.fromkeys(self.full_attention_layers, self._plan_attention(inputs, None))
+
+    def _plan_groups(self, inputs: ForwardInputs) -> list[AttentionMetadata]:
+        """One plan per KV cache group: its table, its slots, its window (the first
+        group's plan read through the others' tables where that is one gather)."""
+        tables, slots = inputs.group_block_tables, inputs.group_slot_mappings
+        plans = []
+        for g, group in enumerate(self.kv_cache_layout.groups):
+            plan = plans[0].through(tables[g], slots[g], group.sliding_window) if plans else None
+            if plan is None:
+                plan = self._plan_attention(inputs, group.sliding_window, tables[g], slots[g])
+            plans.append(plan.to(self.device))
+        return plans
+
+    def _plan_attention(
+        self, inputs: ForwardInputs, sliding_window: int | None,
+        block_table: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+    ) -> AttentionMetadata:
+        """The step's attention plan for layers attending within ``sliding_window``
+        (through ``block_table`` and ``slot_mapping``: a KV cache group's; default the step's)."""
         return AttentionMetadata.build(
             inputs.query_start_loc,
             inputs.seq_lens,
-            inputs.block_table,
-            inputs.slot_mapping,
+            inputs.block_table if block_table is None else block_table,
+            inputs.slot_mapping if slot_mapping is None else slot_mapping,
             self.block_size,
             sliding_window,
             native_short_queries=self.attention_kernel is not None,
@@ -398,7 +436,7 @@ class ModelRunner(RunnerBase):
             prompt_token_ids=list(new_req.prompt_token_ids),
             sampling_params=new_req.sampling_params,
             generator=self._generator_for(new_req),
-            block_ids=list(new_req.block_ids),
+            block_ids=_copy_block_ids(new_req.block_ids),
             num_computed_tokens=new_req.num_computed_tokens,
             output_token_ids=list(new_req.output_token_ids),
             eos_token_id=new_req.eos_token_id,
@@ -492,13 +530,13 @@ class ModelRunner(RunnerBase):
         if cached.resumed_from_preemption[i]:
             # Its old blocks were freed; it recomputes into these from num_computed.
             if row is None:
-                state.block_ids = list(cached.new_block_ids[i])
+                state.block_ids = _copy_block_ids(cached.new_block_ids[i])
                 state.num_computed_tokens = num_computed
                 row = batch.add(state)
             else:
                 batch.replace_block_ids(row, cached.new_block_ids[i])
         elif row is None:
-            state.block_ids.extend(cached.new_block_ids[i])
+            _extend_block_ids(state.block_ids, cached.new_block_ids[i])
             row = batch.add(state)
         else:
             batch.append_block_ids(row, cached.new_block_ids[i])
@@ -619,6 +657,19 @@ class ModelRunner(RunnerBase):
             # The next step computes positions num_tokens - 1 .. num_tokens - 1 + k.
             drafts.append(self.drafter.propose(tokens, self.max_model_len - len(tokens)))
         return drafts
+
+
+def _copy_block_ids(block_ids):
+    """A request's block ids as sent (a list, or one list per KV cache group), copied."""
+    return tuple(list(ids) for ids in block_ids) if isinstance(block_ids, tuple) else list(block_ids)
+
+
+def _extend_block_ids(block_ids, new_block_ids) -> None:
+    if isinstance(block_ids, tuple):
+        for ids, new in zip(block_ids, new_block_ids):
+            ids.extend(new)
+    else:
+        block_ids.extend(new_block_ids)
 
 
 def _check_triton_supports(config: "ModelConfig", full_attention_layers: tuple[int, ...]) -> None:

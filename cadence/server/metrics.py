@@ -60,6 +60,11 @@ class PrometheusStatLogger:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self._kv_cache_group_usage = Gauge(
+            "cadence:kv_cache_group_usage_perc", "With KV cache groups (layers of one attention "
+            "type share a block table): the fraction of the KV-cache blocks each group's requests "
+            "hold, by group (index:full or index:windowW); they add up to kv_cache_usage_perc.",
+            ["model_name", "group"], registry=self.registry)
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -128,6 +133,8 @@ class PrometheusStatLogger:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        for group, usage in (stats.kv_cache_group_usage or {}).items():
+            self._kv_cache_group_usage.labels(self._model_name, group).set(usage)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
         prefix = stats.prefix_cache_stats

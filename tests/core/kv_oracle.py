@@ -4,7 +4,8 @@ shadow-KV oracle (``FakeRunner(check_kv=True)``).
 One workload draws a scheduler configuration (policy: fcfs, priority, fair, slo, lpm; budgets, chunking and
 thresholds, partial-prefill caps, blocked bypass, prefix caching, speculative
 tokens with wrong drafts or async scheduling, a host-memory tier with
-recompute, swap or auto preemption and failing loads) and requests (shared
+recompute, swap or auto preemption and failing loads; or KV cache groups with
+sliding windows, whose blocks behind the window are freed) and requests (shared
 prefixes, priorities, clients, latency targets, ``n > 1``, grammars, aborts
 at random steps). The driver steps the real ``Scheduler`` and checks, every
 step, what each scheduled request reads from the KV cache; at the end, every
@@ -29,6 +30,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from cadence.config import KVTransferConfig, SpeculativeConfig
+from cadence.core.kv_cache import KVCacheLayout, plan_kv_cache_layout
 from cadence.core.kv_transfer.offloading import OffloadingConnector, OffloadingMetadata
 from cadence.core.kv_transfer.pd_connector import CONSUMER, PRODUCER, PDConnectorMetadata, PDConnectorScheduler
 from cadence.core.outputs import KVConnectorOutput
@@ -53,8 +55,9 @@ class OracleRunner(FakeRunner):
     connector's copy orders on the shadow cache; ``fail_load(req_id)`` says
     whether a request's load breaks."""
 
-    def __init__(self, *, draft_fn=None, fail_load=lambda req_id: False) -> None:
-        super().__init__(greedy_token, draft_fn=draft_fn, block_size=BLOCK_SIZE, check_kv=True)
+    def __init__(self, *, draft_fn=None, fail_load=lambda req_id: False, sliding_windows=None) -> None:
+        super().__init__(greedy_token, draft_fn=draft_fn, block_size=BLOCK_SIZE, check_kv=True,
+                         sliding_windows=sliding_windows)
         self.tier: dict[int, dict[int, int]] = {}  # slot -> {offset: token}
         self.fail_load = fail_load
         self.num_failed_loads = 0
@@ -190,6 +193,8 @@ class Workload:
     failing_loads: frozenset[str] = frozenset()
     structured: bool = False
     grammar_delay: int = 0  # steps a grammar takes to compile
+    # KV cache groups (window groups free the blocks behind their window); None: one group.
+    layout: KVCacheLayout | None = None
 
     @property
     def async_scheduling(self) -> bool:
@@ -249,6 +254,14 @@ def workloads(draw, max_requests: int = 10) -> Workload:
         sched["async_scheduling"] = True
     tier_slots = draw(st.sampled_from([0, 0, 8, 64]))
     failing = frozenset(r["id"] for r in requests if draw(st.integers(0, 3)) == 0)
+    layout = None
+    if not tier_slots:  # (a connector moves one table per request: no groups with a tier)
+        window = draw(st.sampled_from([None, None, 1, 3, 5, 9]))
+        num_layers, full_layers = draw(st.sampled_from([(2, (1,)), (3, (2,)), (2, ())]))
+        if window is not None:
+            layout = plan_kv_cache_layout(num_layers, window, full_layers)
+            # Each group takes its blocks from the one pool, and one is the null block.
+            sched["num_gpu_blocks"] = sched["num_gpu_blocks"] * layout.num_groups + 1
     return Workload(
         requests=requests, scheduler=sched, num_spec=num_spec,
         draft_accuracy=draw(st.integers(0, 3)), tier_slots=tier_slots,
@@ -256,6 +269,7 @@ def workloads(draw, max_requests: int = 10) -> Workload:
         failing_loads=failing if tier_slots else frozenset(),
         structured=draw(st.booleans()),
         grammar_delay=draw(st.integers(0, 2)),
+        layout=layout,
     )
 
 
@@ -303,7 +317,7 @@ def build(w: Workload, clock):
     scheduler = new_scheduler(
         block_size=BLOCK_SIZE, max_model_len=256, log_stats=True, clock=clock,
         speculative_config=spec, kv_connector=connector, structured_output_manager=manager,
-        **w.scheduler)
+        kv_cache_layout=w.layout, **w.scheduler)
     drafter = make_drafter(w.num_spec, w.draft_accuracy) if w.num_spec else None
     failing = w.failing_loads
     already_failed: set[str] = set()
@@ -315,7 +329,8 @@ def build(w: Workload, clock):
             return True
         return False
 
-    return scheduler, OracleRunner(draft_fn=drafter, fail_load=fail_load)
+    windows = None if w.layout is None else w.layout.sliding_windows
+    return scheduler, OracleRunner(draft_fn=drafter, fail_load=fail_load, sliding_windows=windows)
 
 
 def _new_request(r: dict, w: Workload, now: float):
@@ -385,7 +400,7 @@ def _absorb(scheduler, step, run: OracleRun) -> None:
 def _check_end(scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert not kv.req_to_blocks and not scheduler.requests, "requests or blocks left"
-    assert kv.num_free_blocks == kv.block_pool.num_blocks, "blocks leaked"
+    assert kv.num_free_blocks + kv.num_reserved_blocks == kv.block_pool.num_blocks, "blocks leaked"
     if isinstance(scheduler.connector, OffloadingConnector):
         scheduler.connector.tier.check_consistency()
 
@@ -527,7 +542,8 @@ def run_pd_workload(w: Workload, max_steps: int = 3000) -> OracleRun:
 
 
 def pd_workload(w: Workload) -> Workload:
-    """``w`` as P/D runs it: no host tier (one connector per engine), no
-    async scheduling (the P/D driver steps both engines in turn)."""
+    """``w`` as P/D runs it: no host tier (one connector per engine), one KV
+    cache group, no async scheduling (the P/D driver steps both engines in turn)."""
     scheduler = {k: v for k, v in w.scheduler.items() if k != "async_scheduling"}
-    return dataclasses.replace(w, scheduler=scheduler, tier_slots=0, preemption_mode="recompute")
+    return dataclasses.replace(w, scheduler=scheduler, tier_slots=0, preemption_mode="recompute",
+                               layout=None)  # (a connector moves one table per request)

@@ -26,7 +26,10 @@ from cadence.core.request import Request, RequestStatus
 
 
 class KVCacheManager:
-    """Owns the block pool and each request's block list."""
+    """Owns the block pool and each request's block list (one group of layers;
+    ``HybridKVCacheManager`` keeps one list per group)."""
+
+    num_reserved_blocks = 0  # blocks no request can take (the hybrid manager's null block)
 
     def __init__(
         self,
@@ -62,6 +65,23 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    def group_usage(self) -> dict[str, float]:
+        """Per group of layers (here one, full attention), the fraction of blocks requests own."""
+        return {"0:full": self.block_pool.usage}
+
+    def num_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        """Blocks one request of ``num_tokens`` tokens holds at most."""
+        return -(-num_tokens // self.block_size)
+
+    def max_concurrency(self, num_tokens: int, max_num_batched_tokens: int) -> float:
+        """Requests of ``num_tokens`` tokens the pool holds at once."""
+        return self.block_pool.num_blocks / self.num_blocks_per_request(num_tokens, max_num_batched_tokens)
+
+    def cut_hits(self, hits: list[KVCacheBlock], num_blocks: int) -> tuple[list[KVCacheBlock], int]:
+        """The first ``num_blocks`` of ``get_computed_blocks``'s hits, and their token count."""
+        hits = hits[:num_blocks]
+        return hits, len(hits) * self.block_size
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -35,7 +35,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
-from cadence.core.kv_cache import KVCacheManager
+from cadence.core.kv_cache import KVCacheLayout, make_kv_cache_manager
 from cadence.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -96,9 +96,12 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
         log_stats: bool = False,
         include_finished_set: bool = False,
         clock: Callable[[], float] = time.time,
+        kv_cache_layout: KVCacheLayout | None = None,
     ) -> None:
         """``clock``: the time requests' arrival times are on (the simulator's
-        virtual clock there); policies that time steps read it."""
+        virtual clock there); policies that time steps read it.
+        ``kv_cache_layout``: the model's groups of layers (``kv_cache/groups.py``);
+        None: one group of full attention, the plain manager."""
         if cache_config.num_gpu_blocks is None:
             raise ValueError("num_gpu_blocks: the scheduler needs the number of KV-cache blocks")
         self.config = scheduler_config
@@ -107,7 +110,10 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
-        self.kv_cache_manager = KVCacheManager(
+        if kv_cache_layout is not None and kv_cache_layout.is_hybrid and kv_connector is not None:
+            raise ValueError("kv_cache_layout: a KV connector moves one block table per request; "
+                             "KV cache groups need one group (kv_cache_groups off)")
+        self.kv_cache_manager = make_kv_cache_manager(
             cache_config.num_gpu_blocks,
             cache_config.block_size,
             scheduler_config.max_model_len,
@@ -115,7 +121,10 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
             hash_algo=cache_config.prefix_caching_hash_algo,
             enable_kv_cache_events=cache_config.enable_kv_cache_events,
             log_stats=log_stats,
+            layout=kv_cache_layout,
         )
+        # Stats report each group's share of the blocks where there are groups.
+        self._reports_group_usage = kv_cache_layout is not None and kv_cache_layout.is_hybrid
         policy = self.policy = configured_policy(scheduler_config)
         policy.set_clock(clock)
         policy.bind_kv_cache_manager(self.kv_cache_manager)
@@ -529,8 +538,8 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
         hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
         if request.fork_point is not None:
             # A parent must compute something before it forks.
-            hits = hits[: max(0, request.fork_point // self.block_size - 1)]
-            num_local = len(hits) * self.block_size
+            hits, num_local = self.kv_cache_manager.cut_hits(
+                hits, max(0, request.fork_point // self.block_size - 1))
             if num_local >= request.fork_point - self.block_size:
                 # Nothing external could be used either (a load is cut there too).
                 return hits, num_local, 0, False
@@ -748,6 +757,7 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_group_usage=self.kv_cache_manager.group_usage() if self._reports_group_usage else None,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats(),
             spec_decoding_stats=spec_decoding_stats,
             num_corrupted_reqs=sum(1 for r in self.running if r.num_nans_in_logits > 0),

@@ -80,6 +80,7 @@ typedef struct {
     void *value_cache;
     int64_t rotary;         /* ROTARY_NONE (SmolLM3's), ROTARY_MAIN or ROTARY_SLIDING (Gemma 3's local tables) */
     int64_t full_attention; /* 1: sees the whole context despite the step's window (Gemma's global layers) */
+    int64_t group;          /* its KV cache group: which of the step's group tables it reads */
 } DecoderLayer;
 
 /* The model's sizes and building blocks. */
@@ -111,7 +112,22 @@ typedef struct {
     const int64_t *query_start, *query_len, *seq_len; /* [S] */
     const int32_t *block_table;  /* [S, max_blocks] */
     int64_t num_seqs, max_blocks, sliding_window;
+    /* KV cache groups (layers of one attention type share a table): [G, S, max_blocks] and
+     * [G, T], layer->group picks a row; NULL: every layer reads block_table and slot_mapping. */
+    const int32_t *group_block_tables;
+    const int64_t *group_slot_mappings;
 } DecoderStep;
+
+/* The slots a layer writes and the block table it reads (its group's, with KV cache groups). */
+static const int64_t *layer_slot_mapping(const DecoderLayer *layer, const DecoderStep *step) {
+    if (!step->group_slot_mappings) return step->slot_mapping;
+    return step->group_slot_mappings + layer->group * step->num_tokens;
+}
+
+static const int32_t *layer_block_table(const DecoderLayer *layer, const DecoderStep *step) {
+    if (!step->group_block_tables) return step->block_table;
+    return step->group_block_tables + layer->group * step->num_seqs * step->max_blocks;
+}
 
 /* Bytes n values take in the cache (n a multiple of Q8_0_VALUES for q8_0). */
 static size_t cache_bytes(int64_t n, int64_t cache_dtype) {
@@ -167,11 +183,12 @@ static int write_cache(const DecoderShape *shape, const DecoderLayer *layer, con
                         const float *qkv, int64_t qkv_width) {
     const int64_t q_size = shape->num_heads * shape->head_dim, kv_size = shape->num_kv_heads * shape->head_dim;
     const size_t row_bytes = cache_bytes(kv_size, shape->cache_dtype);
+    const int64_t *slot_mapping = layer_slot_mapping(layer, step);
     for (int64_t t = 0; t < step->num_tokens; ++t)
-        if (step->slot_mapping[t] < 0 || step->slot_mapping[t] >= shape->num_slots) return -1;
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= shape->num_slots) return -1;
     for (int64_t t = 0; t < step->num_tokens; ++t) {
         const float *row = qkv + t * qkv_width + q_size;
-        const size_t offset = (size_t)step->slot_mapping[t] * row_bytes;
+        const size_t offset = (size_t)slot_mapping[t] * row_bytes;
         store_row((char *)layer->key_cache + offset, row, kv_size, shape->cache_dtype);
         store_row((char *)layer->value_cache + offset, row + kv_size, kv_size, shape->cache_dtype);
     }
@@ -183,25 +200,26 @@ static void attend(const DecoderShape *shape, const DecoderLayer *layer, const D
     const int Hq = (int)shape->num_heads, Hkv = (int)shape->num_kv_heads, D = (int)shape->head_dim;
     const int bs = (int)shape->block_size, max_blocks = (int)step->max_blocks;
     const int window = layer->full_attention ? 0 : (int)step->sliding_window;
+    const int32_t *block_table = layer_block_table(layer, step);
     switch (shape->cache_dtype) {
     case CACHE_F32:
         paged_attention_f32(q, layer->key_cache, layer->value_cache, out, step->query_start, step->query_len,
-                            step->seq_len, step->block_table, step->num_seqs, Hq, Hkv, D, bs, max_blocks,
+                            step->seq_len, block_table, step->num_seqs, Hq, Hkv, D, bs, max_blocks,
                             window, shape->scale, shape->softcap);
         break;
     case CACHE_F16:
         paged_attention_f32_kvf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
-                                  step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
+                                  step->query_len, step->seq_len, block_table, step->num_seqs, Hq, Hkv,
                                   D, bs, max_blocks, window, shape->scale, shape->softcap);
         break;
     case CACHE_Q8_0:
         paged_attention_f32_kvq8_0(q, layer->key_cache, layer->value_cache, out, step->query_start,
-                                   step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
+                                   step->query_len, step->seq_len, block_table, step->num_seqs, Hq, Hkv,
                                    D, bs, max_blocks, window, shape->scale, shape->softcap);
         break;
     default:
         paged_attention_f32_kvbf16(q, layer->key_cache, layer->value_cache, out, step->query_start,
-                                   step->query_len, step->seq_len, step->block_table, step->num_seqs, Hq, Hkv,
+                                   step->query_len, step->seq_len, block_table, step->num_seqs, Hq, Hkv,
                                    D, bs, max_blocks, window, shape->scale, shape->softcap);
     }
 }
@@ -414,8 +432,8 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
 }
 
 /* sizeof and field offsets of the structures, for the binding's test:
- * DecoderLayer (size, then 19 offsets), DecoderShape (size, 20), DecoderStep
- * (size, 13), BlockMatrix (size, 3), ExpertMatrices (size, 3): 63 values. */
+ * DecoderLayer (size, then 20 offsets), DecoderShape (size, 20), DecoderStep
+ * (size, 15), BlockMatrix (size, 3), ExpertMatrices (size, 3): 66 values. */
 int decoder_struct_layout(int64_t *out) {
 #define PUT(value) (*out++ = (int64_t)(value))
     PUT(sizeof(DecoderLayer));
@@ -428,7 +446,7 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderLayer, down)); PUT(offsetof(DecoderLayer, router));
     PUT(offsetof(DecoderLayer, experts)); PUT(offsetof(DecoderLayer, key_cache));
     PUT(offsetof(DecoderLayer, value_cache)); PUT(offsetof(DecoderLayer, rotary));
-    PUT(offsetof(DecoderLayer, full_attention));
+    PUT(offsetof(DecoderLayer, full_attention)); PUT(offsetof(DecoderLayer, group));
     PUT(sizeof(DecoderShape));
     PUT(offsetof(DecoderShape, num_layers)); PUT(offsetof(DecoderShape, hidden));
     PUT(offsetof(DecoderShape, num_heads)); PUT(offsetof(DecoderShape, num_kv_heads));
@@ -447,6 +465,7 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderStep, query_len)); PUT(offsetof(DecoderStep, seq_len));
     PUT(offsetof(DecoderStep, block_table)); PUT(offsetof(DecoderStep, num_seqs));
     PUT(offsetof(DecoderStep, max_blocks)); PUT(offsetof(DecoderStep, sliding_window));
+    PUT(offsetof(DecoderStep, group_block_tables)); PUT(offsetof(DecoderStep, group_slot_mappings));
     PUT(sizeof(BlockMatrix));
     PUT(offsetof(BlockMatrix, type)); PUT(offsetof(BlockMatrix, blocks)); PUT(offsetof(BlockMatrix, rows));
     PUT(sizeof(ExpertMatrices));
