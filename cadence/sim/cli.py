@@ -237,7 +237,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "scheduler": vars_of(options.scheduler),
             "data_parallel_size": num_replicas,
             "prefill_decode": args.prefill_decode,
-            "cache": vars_of(_cache_of(cost_model, options.cache)),
+            "cache": vars_of(_cache_of(cost_model, options.cache,
+                                       groups=kv_tier is None and args.prefill_decode is None)),
             "policies": summaries,
         }
         (out / SUMMARY_FILE).write_text(json.dumps(document, indent=2) + "\n")
@@ -305,11 +306,14 @@ def _simulate_pd(args: argparse.Namespace, specs: list, policies: list[str], opt
                       load_margin_tokens=router.dp_load_margin_tokens, charge_host_time=args.charge_host_time)
 
 
-def _cache_of(cost_model: Any, cache: Any) -> Any:
-    """The cache config as simulated (blocks sized by the cost model when unset)."""
+def _cache_of(cost_model: Any, cache: Any, *, groups: bool) -> Any:
+    """The cache config as simulated (blocks sized by the cost model when unset, for the
+    cache's width and, where ``groups`` (no KV connector), the engine's KV cache groups)."""
     import dataclasses
 
     if cache.num_gpu_blocks is None:
+        if hasattr(cost_model, "with_kv_cache"):
+            cost_model = cost_model.with_kv_cache(cache.kv_cache_dtype, cache.kv_cache_groups and groups)
         cache = dataclasses.replace(cache, num_gpu_blocks=cost_model.num_kv_blocks(cache.block_size))
     return cache
 

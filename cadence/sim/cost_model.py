@@ -17,6 +17,11 @@ Two models:
       compute = 2 * params * num_tokens + 4 * layers * heads * head_dim * num_attn_pairs
       memory  = params * dtype_bytes + num_kv_tokens * kv_bytes_per_token
       step    = max(compute / (peak * eff_c), memory / (bandwidth * eff_m)) + overhead
+  The cache's width follows ``--kv-cache-dtype`` (auto: dtype_bytes; q8_0: 34
+  bytes per 32 values). With the engine's KV cache groups (a model with
+  sliding windows, ``with_kv_cache``) a block is one group's page, so the
+  number of blocks follows the engine's, and window layers read at most
+  their window per sequence (min(num_kv_tokens, num_seqs * W + num_tokens)).
 - ``CalibratedCostModel``: fitted by least squares to timed real steps
   (``cadence.sim.calibrate``), saved as JSON. Either a line,
       t = a + b * num_tokens + c * num_seqs + d * num_kv_tokens   (any subset of features)
@@ -35,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from cadence.core.kv_cache.groups import KVCacheLayout, plan_kv_cache_layout
 from cadence.core.sched.output import SchedulerOutput
 
 # ---------------------------------------------------------------- step shape
@@ -89,6 +95,16 @@ class CostModel(Protocol):
 
     def num_kv_blocks(self, block_size: int) -> int | None:
         """KV-cache blocks the modelled machine holds (None: the caller decides)."""
+        ...
+
+    def with_kv_cache(self, kv_cache_dtype: str, groups: bool) -> "CostModel":
+        """This model for a cache of ``kv_cache_dtype`` (auto: the model's dtype) kept in the
+        engine's KV cache groups where ``groups`` (``kv_cache_layout`` then says which);
+        ValueError naming kv_cache_dtype where it cannot price that width."""
+        ...
+
+    def kv_cache_layout(self) -> KVCacheLayout | None:
+        """The engine's KV cache groups for the modelled model (None: one full-length group)."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -158,6 +174,8 @@ class ModelShape:
     num_heads: int
     head_dim: int
     num_kv_heads: int
+    sliding_window: int | None = None  # the window of every layer not in full_attention_layers
+    full_attention_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelShape":
@@ -171,10 +189,25 @@ class ModelShape:
             num_heads=config.num_attention_heads,
             head_dim=config.head_dim,
             num_kv_heads=config.num_key_value_heads,
+            sliding_window=config.sliding_window,
+            full_attention_layers=tuple(config.full_attention_layers),
         )
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: float) -> int:
+        return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes)
+
+    @property
+    def num_window_layers(self) -> int:
+        return 0 if not self.sliding_window else self.num_layers - len(set(self.full_attention_layers))
+
+    def kv_cache_layout(self) -> KVCacheLayout | None:
+        """The engine's KV cache groups (``cadence.core.kv_cache.groups``), None: one group."""
+        layout = plan_kv_cache_layout(self.num_layers, self.sliding_window, self.full_attention_layers)
+        return layout if layout.is_hybrid else None
+
+
+# Bytes one cached key or value element takes, by --kv-cache-dtype (q8_0: 34 bytes per 32).
+KV_VALUE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "q8_0": 34 / 32}
 
 
 def load_model_config(name_or_path: str) -> dict[str, Any]:
@@ -198,12 +231,24 @@ def load_model_config(name_or_path: str) -> dict[str, Any]:
 class RooflineCostModel:
     """Step time = the slower of compute and memory traffic, plus a fixed overhead."""
 
-    def __init__(self, hardware: HardwareProfile, model: ModelShape) -> None:
+    def __init__(self, hardware: HardwareProfile, model: ModelShape, *, kv_cache_dtype: str = "auto",
+                 kv_cache_groups: bool = False) -> None:
+        """``kv_cache_dtype``: the cache's width (auto: the model's dtype, ``dtype_bytes``);
+        ``kv_cache_groups``: blocks are the engine's group pages (``kv_cache_layout``), and
+        window layers read at most their window."""
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_VALUE_BYTES:
+            raise ValueError(f"kv_cache_dtype: the roofline prices auto, {', '.join(KV_VALUE_BYTES)}; "
+                             f"got {kv_cache_dtype!r}")
         self.hardware = hardware
         self.model = model
         self.name = f"roofline:{hardware.name}"
+        self.kv_cache_dtype, self.kv_cache_groups = kv_cache_dtype, kv_cache_groups
         self.weight_bytes = model.num_params * hardware.dtype_bytes
-        self.kv_bytes_per_token = model.kv_bytes_per_token(hardware.dtype_bytes)
+        self._kv_value_bytes = hardware.dtype_bytes if kv_cache_dtype == "auto" else KV_VALUE_BYTES[kv_cache_dtype]
+        self.kv_bytes_per_token = model.kv_bytes_per_token(self._kv_value_bytes)
+        # a window layer's share of a token's bytes, and its window (reads capped with groups)
+        self._window = model.sliding_window if kv_cache_groups and model.num_window_layers else None
+        self._window_bytes_per_token = self.kv_bytes_per_token * model.num_window_layers / model.num_layers
         self.flops_per_token = 2 * model.num_params
         self.flops_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_dim
         self._flops_per_s = hardware.peak_flops * hardware.compute_efficiency
@@ -213,7 +258,11 @@ class RooflineCostModel:
         return self.flops_per_token * shape.num_tokens + self.flops_per_attn_pair * shape.num_attn_pairs
 
     def bytes(self, shape: StepShape) -> float:
-        return self.weight_bytes + self.kv_bytes_per_token * shape.num_kv_tokens
+        kv = self.kv_bytes_per_token * shape.num_kv_tokens
+        if self._window is not None:  # window layers read at most W keys per sequence (a bound)
+            window_tokens = min(shape.num_kv_tokens, shape.num_seqs * self._window + shape.num_tokens)
+            kv -= self._window_bytes_per_token * (shape.num_kv_tokens - window_tokens)
+        return self.weight_bytes + kv
 
     def step_seconds(self, shape: StepShape) -> float:
         if not shape.num_tokens:
@@ -228,13 +277,24 @@ class RooflineCostModel:
         free = hardware.kv_cache_bytes
         if free is None:
             free = hardware.mem_capacity * hardware.kv_memory_fraction - self.weight_bytes
-        num_blocks = int(free // (block_size * self.kv_bytes_per_token))
+        layout = self.kv_cache_layout()
+        layers = self.model.num_layers if layout is None else layout.layers_per_group
+        block_bytes = block_size * self.kv_bytes_per_token * layers / self.model.num_layers
+        num_blocks = int(free // block_bytes)
         if num_blocks < 1:
             raise ValueError(f"{self.name}: the weights leave no memory for a KV block")
         return num_blocks
 
+    def with_kv_cache(self, kv_cache_dtype: str, groups: bool) -> "RooflineCostModel":
+        return RooflineCostModel(self.hardware, self.model, kv_cache_dtype=kv_cache_dtype, kv_cache_groups=groups)
+
+    def kv_cache_layout(self) -> KVCacheLayout | None:
+        """A block is one group's page where the cache keeps groups (None: every layer)."""
+        return self.model.kv_cache_layout() if self.kv_cache_groups else None
+
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "hardware": asdict(self.hardware), "model": asdict(self.model)}
+        return {"name": self.name, "hardware": asdict(self.hardware), "model": asdict(self.model),
+                "kv_cache_dtype": self.kv_cache_dtype, "kv_cache_groups": self.kv_cache_groups}
 
 
 # ---------------------------------------------------------------- calibrated
@@ -335,6 +395,16 @@ class CalibratedCostModel:
             return None
         calibrated_block = self.meta.get("block_size", block_size)
         return self.kv_blocks * calibrated_block // block_size
+
+    def with_kv_cache(self, kv_cache_dtype: str, groups: bool) -> "CalibratedCostModel":
+        """Itself: its timings were fitted on one cache (one group, the calibration's width)."""
+        if kv_cache_dtype != "auto":
+            raise ValueError("kv_cache_dtype: a calibrated cost model was fitted on one cache width; "
+                             "use auto (and size another cache with num_gpu_blocks)")
+        return self
+
+    def kv_cache_layout(self) -> KVCacheLayout | None:
+        return None
 
     @classmethod
     def fit(

@@ -166,6 +166,8 @@ class PDFleet:
         self.bytes_per_second = link_bytes_per_second(link)
         if not transfer_latency_s >= 0:
             raise ValueError(f"transfer_latency_s: must be >= 0, got {transfer_latency_s!r}")
+        if hasattr(cost_model, "with_kv_cache"):  # the cache's width; one group beside a connector
+            cost_model = cost_model.with_kv_cache(cache_config.kv_cache_dtype, False)
         kv_bytes_per_token = getattr(cost_model, "kv_bytes_per_token", None)
         if kv_bytes_per_token is None:
             raise ValueError("pd_link: pricing the pulls needs a roofline cost model "

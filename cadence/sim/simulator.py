@@ -336,9 +336,15 @@ class Simulator:
         step plans cost on the runner (a P/D fleet's, ``cadence.sim.disaggregation``)."""
         if kv_tier is not None and kv_connector is not None:
             raise ValueError("kv_offload_size: the host tier and another KV connector cannot be combined")
-        if cache_config.kv_cache_dtype != "auto":
-            raise ValueError("kv_cache_dtype: the simulator's cost models keep the KV cache in the "
+        # The cache's width and the engine's KV cache groups (one group beside a KV connector,
+        # as the engine keeps it): a model that cannot price them keeps the model's dtype.
+        groups = cache_config.kv_cache_groups and kv_tier is None and kv_connector is None
+        if hasattr(cost_model, "with_kv_cache"):
+            cost_model = cost_model.with_kv_cache(cache_config.kv_cache_dtype, groups)
+        elif cache_config.kv_cache_dtype != "auto":
+            raise ValueError("kv_cache_dtype: this cost model keeps the KV cache in the "
                              "model's dtype; size a cache of another width with num_gpu_blocks")
+        layout = cost_model.kv_cache_layout() if hasattr(cost_model, "kv_cache_layout") else None
         if cache_config.num_gpu_blocks is None:
             if cache_config.kv_cache_memory is not None:
                 raise ValueError("kv_cache_memory: the simulator sizes the cache in blocks; give num_gpu_blocks")
@@ -358,7 +364,7 @@ class Simulator:
             connector, transfers = kv_connector(cache_config)
         self.connector = connector
         self.scheduler = Scheduler(scheduler_config, cache_config, kv_connector=connector,
-                                   clock=lambda: self.clock.now)
+                                   clock=lambda: self.clock.now, kv_cache_layout=layout)
         self.runner = SimRunner(cost_model, transfers)
         overlapped = scheduler_config.async_scheduling
         # Steps execute at once on submission: the clock, not a thread, overlaps them.

@@ -96,3 +96,32 @@ def test_a_fixed_memory_holds_3_5x_the_long_sequences(engines):
     print("8,192-token sequences in 1 GiB: capacity", capacity, "held at once", held)
     assert capacity[True] >= 3.5 * capacity[False], capacity
     assert held[False] == int(capacity[False]) and held[True] >= 3.5 * held[False], held
+
+
+def test_the_simulator_admits_what_the_engine_admits(engines):
+    """Issue 34 item 5: the simulator's roofline prices Gemma 3's window groups and the cache's
+    width (float16, as the engine's auto keeps a float32 model's cache on the CPU): in the
+    same 1 GiB it holds the engine's number of 8,192-token sequences, within 5%."""
+    from dataclasses import replace
+
+    from cadence.config import CacheConfig, SchedulerConfig
+    from cadence.sim.cost_model import PROFILES, ModelShape, RooflineCostModel
+    from cadence.sim.simulator import Simulator
+
+    engine = engines[True].engine
+    config = engine.model_config
+    assert str(engine.core.runner.kv_cache.data.dtype) == "torch.float16"
+    shape = ModelShape(num_params=config.num_params(), num_layers=config.num_hidden_layers,
+                       num_heads=config.num_attention_heads, head_dim=config.head_dim,
+                       num_kv_heads=config.num_key_value_heads, sliding_window=config.sliding_window,
+                       full_attention_layers=tuple(config.full_attention_layers))
+    cost_model = RooflineCostModel(replace(PROFILES["cpu"], kv_cache_bytes=2**30), shape)
+    simulated = {}
+    for groups in (True, False):
+        simulator = Simulator(SchedulerConfig(max_model_len=CONTEXT, max_num_batched_tokens=BUDGET, max_num_seqs=64),
+                              CacheConfig(kv_cache_groups=groups), cost_model)
+        simulated[groups] = sequences_held(simulator.scheduler.kv_cache_manager)
+    held = {groups: sequences_held(llm.engine.core.scheduler.kv_cache_manager) for groups, llm in engines.items()}
+    print("8,192-token sequences in 1 GiB, simulated", simulated, "engine", held)
+    for groups in (True, False):
+        assert abs(simulated[groups] / held[groups] - 1) <= 0.05, (groups, simulated, held)

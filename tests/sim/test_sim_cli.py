@@ -77,10 +77,16 @@ def test_options_the_simulator_would_ignore_are_refused(flags, field):
         args.func(args)
 
 
-def test_a_kv_cache_dtype_the_cost_model_cannot_price_is_refused():
-    args = parse(["simulate", "--num-requests", "4", "--kv-cache-dtype", "float16"])
-    with pytest.raises(ValueError, match="^kv_cache_dtype: the simulator"):
-        args.func(args)
+def test_the_roofline_prices_the_cache_dtype(tmp_path):
+    """float16 and q8_0 caches are priced (q8_0: 34 bytes per 32 values, so more blocks)."""
+    blocks = {}
+    for dtype in ("float16", "q8_0"):
+        out = tmp_path / dtype
+        args = parse(["simulate", "--num-requests", "4", "--kv-cache-dtype", dtype, "--cost-model", "roofline:cpu",
+                      "--model-config", "smollm2-135m", "--out", str(out)])
+        assert args.func(args) == 0
+        blocks[dtype] = json.loads((out / "summary.json").read_text())["cache"]["num_gpu_blocks"]
+    assert blocks["q8_0"] == pytest.approx(blocks["float16"] * 2 / (34 / 32), rel=0.01)
 
 
 def test_fair_policy_protects_the_light_client_in_the_simulator(tmp_path):

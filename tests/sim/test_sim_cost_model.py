@@ -53,6 +53,29 @@ def test_roofline_step_by_hand():
     assert model.step_seconds(StepShape(0, 0, 0, 0)) == 0.0
 
 
+def test_roofline_prices_window_groups_and_the_cache_width():
+    """A Gemma-3-shaped toy (6 layers, every 3rd global, window 8): with groups a block is one
+    group's page (2 layers), window layers read at most their window, and q8_0 takes 34/32
+    bytes a value."""
+    shape = ModelShape(num_params=1000, num_layers=6, num_heads=4, head_dim=32, num_kv_heads=1,
+                       sliding_window=8, full_attention_layers=(2, 5))
+    plain = RooflineCostModel(TOY_HW, shape)
+    grouped = plain.with_kv_cache("auto", True)
+    layout = grouped.kv_cache_layout()
+    assert plain.kv_cache_layout() is None and layout.num_groups == 3 and layout.layers_per_group == 2
+    free = 1e7 - 1000 * 2  # capacity less the weights
+    assert plain.num_kv_blocks(16) == int(free // (16 * 2 * 6 * 32 * 2))
+    assert grouped.num_kv_blocks(16) == int(free // (16 * 2 * 2 * 32 * 2))  # pages of 2 layers, not 6
+    assert plain.with_kv_cache("q8_0", False).num_kv_blocks(16) == int(free // (16 * 2 * 6 * 34))
+    # 4 decodes at context 100: full layers read 101 keys each, window layers 8 + 1
+    decode = StepShape(num_tokens=4, num_seqs=4, num_kv_tokens=404, num_attn_pairs=404)
+    per_layer_token = 2 * 32 * 2
+    assert plain.bytes(decode) == 1000 * 2 + 6 * per_layer_token * 404
+    assert grouped.bytes(decode) == pytest.approx(1000 * 2 + per_layer_token * (2 * 404 + 4 * (4 * 8 + 4)))
+    with pytest.raises(ValueError, match="^kv_cache_dtype: the roofline prices"):
+        plain.with_kv_cache("int4", False)
+
+
 def test_llama_3_8b_on_h100():
     model = make_cost_model("roofline:h100", "llama-3-8b")
     assert 8.0e9 < model.model.num_params < 8.1e9  # Llama-3-8B has 8.03 B weights
