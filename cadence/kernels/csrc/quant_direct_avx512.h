@@ -43,13 +43,6 @@ static inline __attribute__((always_inline)) __m512 scaled_group(__m512 acc, __m
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale), acc);
 }
 
-static inline __attribute__((always_inline)) float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* ---------------------------------------------------------------- Q4_K
  * The eight 6-bit scales and mins of a super-block (12 packed bytes, see
  * q4_k_scale_min) as eight floats each: a = d * scale, b = -dmin * min. */
@@ -96,7 +89,7 @@ static inline __attribute__((always_inline)) void q4_k_rows_512(int R, const uin
             }
         }
     }
-    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + hsum256(offset[r]);
+    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + hsum(offset[r]);
 }
 
 /* ---------------------------------------------------------------- Q6_K
@@ -149,6 +142,21 @@ static inline __attribute__((always_inline)) void q6_k_rows_512(int R, const uin
     for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
+/* Groups j and j + 1 (j even) of the super-block at ``block`` (groups g .. g + 7 of
+ * ``row``) as 16-bit integers, one register each, from the AVX2 integer forms. */
+static inline __attribute__((always_inline)) void super_block_pair_words(int type, const uint8_t *row,
+                                                                        const uint8_t *block, int64_t g, int j,
+                                                                        __m512i *first, __m512i *second) {
+    __m256i v[4];
+    if (type == TYPE_Q5_K) {
+        k_pair_values(type, block, j, v);
+    } else {
+        weight_values(type, row, g + j, &v[0], &v[1]);
+        weight_values(type, row, g + j + 1, &v[2], &v[3]);
+    }
+    *first = join_halves(v[0], v[1]), *second = join_halves(v[2], v[3]);
+}
+
 /* ---------------------------------------------------------------- other types
  * The AVX2 integer forms (weight_values, k_pair_values, group_scales,
  * super_block_scales), each group's halves joined into one register. */
@@ -159,12 +167,7 @@ static inline __attribute__((always_inline)) void words_group_512(int type, int 
     for (int r = 0; r < R; ++r) {
         const int64_t i = r * groups + g;
         acc[r] = scaled_group(acc[r], w, x, i, a * x->d[i]);
-        if (type == TYPE_Q2_K) {
-            offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->half_sums[2 * i]), offset[r]);
-            offset[r] = _mm256_fmadd_ps(b_high, _mm256_set1_ps(x->half_sums[2 * i + 1]), offset[r]);
-        } else if (OFFSET_TYPE(type)) {
-            offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
-        }
+        add_group_offset(type, x, i, bv, b_high, &offset[r]);
     }
 }
 
@@ -182,15 +185,10 @@ static inline __attribute__((always_inline)) void words_rows_512(int type, int R
             float a[8], b[16];
             super_block_scales(type, block, a, b);
             for (int j = 0; j < 8; j += 2) {
-                if (type == TYPE_Q5_K) {
-                    k_pair_values(type, block, j, v);
-                } else {
-                    weight_values(type, row, g + j, &v[0], &v[1]);
-                    weight_values(type, row, g + j + 1, &v[2], &v[3]);
-                }
-                words_group_512(type, R, g + j, groups, x, join_halves(v[0], v[1]), a[j], b + 2 * j, even, offset);
-                words_group_512(type, R, g + j + 1, groups, x, join_halves(v[2], v[3]), a[j + 1], b + 2 * j + 2, odd,
-                                offset);
+                __m512i first, second;
+                super_block_pair_words(type, row, block, g, j, &first, &second);
+                words_group_512(type, R, g + j, groups, x, first, a[j], b + 2 * j, even, offset);
+                words_group_512(type, R, g + j + 1, groups, x, second, a[j + 1], b + 2 * j + 2, odd, offset);
             }
         }
     } else {

@@ -308,6 +308,18 @@ static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k
     return rounded;
 }
 
+/* offset += group i's b times x's scaled sums: Q2_K's two halves apart (b, b_high),
+ * the other offset types' whole (every lane the same sum). */
+static inline __attribute__((always_inline)) void add_group_offset(int type, const RoundedGroups *x, int64_t i,
+                                                                  __m256 b, __m256 b_high, __m256 *offset) {
+    if (type == TYPE_Q2_K) {
+        *offset = _mm256_fmadd_ps(b, _mm256_set1_ps(x->half_sums[2 * i]), *offset);
+        *offset = _mm256_fmadd_ps(b_high, _mm256_set1_ps(x->half_sums[2 * i + 1]), *offset);
+    } else if (OFFSET_TYPE(type)) {
+        *offset = _mm256_fmadd_ps(b, _mm256_set1_ps(x->scaled_sum[i]), *offset);
+    }
+}
+
 /* Group g's share for R rows, its weights a * (lo | hi) + b: acc[r] += a * d * sums,
  * offset[r] += b * d * sum(q). Q2_K's halves have a b each (b[0] for values 0..15,
  * b[1] for 16..31); the other types' are equal and their sum is taken whole. */
@@ -322,12 +334,7 @@ static inline __attribute__((always_inline)) void direct_group(int type, int R, 
         const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
                                               _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(av, _mm256_set1_ps(x->d[i])), acc[r]);
-        if (type == TYPE_Q2_K) {
-            offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->half_sums[2 * i]), offset[r]);
-            offset[r] = _mm256_fmadd_ps(b_high, _mm256_set1_ps(x->half_sums[2 * i + 1]), offset[r]);
-        } else if (OFFSET_TYPE(type)) {
-            offset[r] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x->scaled_sum[i]), offset[r]);
-        }
+        add_group_offset(type, x, i, bv, b_high, &offset[r]);
     }
 }
 

@@ -84,16 +84,11 @@ static inline int row_words(int type, const uint8_t *row, int64_t g, int16_t wor
         return 8;
     }
     super_block_scales(type, block, a, b);
-    __m256i v[4];
     for (int j = 0; j < 8; j += 2) {
-        if (type == TYPE_Q5_K) {
-            k_pair_values(type, block, j, v);
-        } else {
-            weight_values(type, row, g + j, &v[0], &v[1]);
-            weight_values(type, row, g + j + 1, &v[2], &v[3]);
-        }
-        _mm512_storeu_si512(words[j], join_halves(v[0], v[1]));
-        _mm512_storeu_si512(words[j + 1], join_halves(v[2], v[3]));
+        __m512i first, second;
+        super_block_pair_words(type, row, block, g, j, &first, &second);
+        _mm512_storeu_si512(words[j], first);
+        _mm512_storeu_si512(words[j + 1], second);
     }
     return 8;
 }
