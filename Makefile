@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-sched clean
+.PHONY: run test bench bench-sched compiled clean-compiled clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -26,6 +26,14 @@ bench-sched: $(STAMP)
 	$(BIN)/python bench/sched_overhead.py
 
 bench: bench-sched
+
+# Optional: the scheduler and the simulator's loop compiled with mypyc (cadence/compile.py).
+compiled: $(STAMP)
+	$(BIN)/pip install -q mypy==2.4.1 setuptools
+	$(BIN)/python -m cadence.compile build
+
+clean-compiled:
+	$(BIN)/python -m cadence.compile clean
 
 clean:
 	rm -rf $(VENV)

@@ -15,8 +15,9 @@ from pathlib import Path
 import cadence
 
 PACKAGE_ROOT = Path(cadence.__file__).parent
-# Leaf modules everyone may use: configuration, sampling parameters, the CPU probe.
-BASE = {"_lazy", "config", "config_cli", "sampling_params", "cpu_features"}
+# Leaf modules everyone may use: configuration, sampling parameters, the CPU probe,
+# the optional compiled build's list and freshness check.
+BASE = {"_lazy", "config", "config_cli", "sampling_params", "cpu_features", "compile"}
 ALLOWED = {
     "core": BASE | {"core"},
     "kernels": BASE | {"kernels"},

@@ -9,7 +9,7 @@ front-end process can receive them cheaply over a socket.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import msgspec
 
@@ -49,8 +49,9 @@ class LogprobsLists(msgspec.Struct, gc=False):
 class KVConnectorOutput:
     """Transfers the worker side of a KV connector finished during a step."""
 
-    finished_sending: set[str] | None = None
-    finished_recving: set[str] | None = None
+    # Request ids: a set, or any collection (the simulator keeps the order transfers ended in).
+    finished_sending: Collection[str] | None = None
+    finished_recving: Collection[str] | None = None
     # Blocks whose load failed or timed out: their contents cannot be trusted,
     # the tokens they hold are computed again.
     invalid_block_ids: set[int] | None = None

@@ -155,10 +155,11 @@ class EngineCore:
         return self._absorb(scheduler_output, self.runner.execute_model(scheduler_output))
 
     def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
-        in_flight = self.in_flight
+        in_flight, executor = self.in_flight, self._executor
+        assert executor is not None  # (made with async scheduling)
         while len(in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
-            in_flight.append((scheduler_output, self._executor.submit(self.runner.execute_model, scheduler_output)))
+            in_flight.append((scheduler_output, executor.submit(self.runner.execute_model, scheduler_output)))
             if not scheduler_output.total_num_scheduled_tokens:
                 break  # the next schedule would find the same: wait for results first
         if not in_flight:

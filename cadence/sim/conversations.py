@@ -92,8 +92,10 @@ class Conversations:
     def refused(self, index: int) -> list[int]:
         """The later turns of a refused turn's conversation, which never arrive."""
         later = []
-        while (index := self._next.get(index)) is not None:  # type: ignore[assignment]
-            later.append(index)
+        turn = self._next.get(index)
+        while turn is not None:
+            later.append(turn)
+            turn = self._next.get(turn)
         return later
 
     def released(self, now: float, outputs: dict[int, "EngineCoreOutputs"]) -> list[tuple[float, int]]:

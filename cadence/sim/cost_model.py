@@ -261,7 +261,7 @@ class RooflineCostModel:
         kv = self.kv_bytes_per_token * shape.num_kv_tokens
         if self._window is not None:  # window layers read at most W keys per sequence (a bound)
             window_tokens = min(shape.num_kv_tokens, shape.num_seqs * self._window + shape.num_tokens)
-            kv -= self._window_bytes_per_token * (shape.num_kv_tokens - window_tokens)
+            return self.weight_bytes + (kv - self._window_bytes_per_token * (shape.num_kv_tokens - window_tokens))
         return self.weight_bytes + kv
 
     def step_seconds(self, shape: StepShape) -> float:

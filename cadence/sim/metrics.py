@@ -152,9 +152,9 @@ def jain_index(recorder: MetricsRecorder, client_weights: dict[int, float] | Non
     span = max(1, math.ceil(STEPS_PER_JAIN_WINDOW * median_step / SERVICE_WINDOW_S))
     windows: dict[int, dict[int, int]] = {}
     for bucket, served in recorder.service.items():
-        window = windows.setdefault(bucket // span, {})
+        totals = windows.setdefault(bucket // span, {})
         for client, tokens in served.items():
-            window[client] = window.get(client, 0) + tokens
+            totals[client] = totals.get(client, 0) + tokens
     arrival = np.asarray(recorder.arrival)
     first = np.asarray(recorder.first_token)
     first = np.where(np.isnan(first), np.inf, first)
@@ -236,11 +236,11 @@ def _per_group(keys: list[int], ttft, tpot, e2e, num_output, good, makespan) -> 
     """Service received by each client (or priority class)."""
     import numpy as np
 
-    keys = np.asarray(keys)
+    key_array = np.asarray(keys)
     total = max(int(num_output.sum()), 1)
     result = {}
-    for key in np.unique(keys):
-        mask = keys == key
+    for key in np.unique(key_array):
+        mask = key_array == key
         tokens = int(num_output[mask].sum())
         result[str(int(key))] = {
             "num_requests": int(mask.sum()),

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from cadence.config import POLICY_OPTIONS, CacheConfig, SchedulerConfig
+from cadence.core.compiled import mypyc_attr
 from cadence.core.sched.policy import AdmissionRefused
 from cadence.core.request import Request
 from cadence.core.sched.kv_connector import KVConnectorBase
@@ -43,6 +44,7 @@ from cadence.sim.runner import ExecutedStep, SimRunner, StepTransfers
 from cadence.sim.workload import PromptMaker, RequestSpec
 
 
+@mypyc_attr(native_class=False)  # (the compiled build subclasses only Exception natively)
 class SimulationStalled(RuntimeError):
     """Requests are left that the scheduler will never schedule (e.g. too few KV blocks)."""
 
@@ -231,8 +233,8 @@ def drive(
         if outputs:
             recorder.on_step(now, outputs)
             if conversations:
-                for arrival in conversations.released(now, outputs):
-                    heapq.heappush(pending, arrival)
+                for next_turn in conversations.released(now, outputs):
+                    heapq.heappush(pending, next_turn)
         num_running, num_waiting = scheduler.get_request_counts()
         recorder.on_queues(now, num_running, num_waiting, kv_manager.usage if kv_manager else 0.0)
         if on_step is not None:
@@ -268,6 +270,7 @@ def _inject(core, specs, index, arrival, factory, recorder, conversations) -> No
 # ---------------------------------------------------------------- simulation
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (disaggregation's PDResult)
 @dataclass
 class SimResult:
     """One simulated run: the metrics recorder and the engine's counters."""
@@ -345,7 +348,8 @@ class Simulator:
             raise ValueError("kv_cache_dtype: this cost model keeps the KV cache in the "
                              "model's dtype; size a cache of another width with num_gpu_blocks")
         layout = cost_model.kv_cache_layout() if hasattr(cost_model, "kv_cache_layout") else None
-        if cache_config.num_gpu_blocks is None:
+        num_blocks = cache_config.num_gpu_blocks
+        if num_blocks is None:
             if cache_config.kv_cache_memory is not None:
                 raise ValueError("kv_cache_memory: the simulator sizes the cache in blocks; give num_gpu_blocks")
             num_blocks = cost_model.num_kv_blocks(cache_config.block_size)
@@ -355,10 +359,10 @@ class Simulator:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         # The policy reads the virtual clock (arrival times are on it).
-        connector, transfers = None, None
+        connector: KVConnectorBase | None = None
+        transfers: StepTransfers | None = None
         if kv_tier is not None:
-            connector = make_tier_connector(kv_tier, cost_model, cache_config.block_size,
-                                            cache_config.num_gpu_blocks)
+            connector = make_tier_connector(kv_tier, cost_model, cache_config.block_size, num_blocks)
             transfers = TierCopies(connector.context.bytes_per_block, kv_tier.bytes_per_second)
         elif kv_connector is not None:
             connector, transfers = kv_connector(cache_config)

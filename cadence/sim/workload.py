@@ -362,6 +362,7 @@ class PromptMaker:
         own = self.own_tokens(index, spec.prompt_tokens - spec.prefix_tokens)
         if not spec.prefix_tokens:
             return own
+        assert spec.prefix_group is not None  # (a shared prefix has its group)
         return self._group_prefix(spec.prefix_group, spec.prefix_tokens) + own
 
     def own_tokens(self, index: int, num_tokens: int) -> list[int]:

@@ -80,8 +80,9 @@ def test_the_default_hooks_decide_nothing():
     from cadence.core.sched.policy import FCFSPolicy
 
     policy = FCFSPolicy()
-    assert policy.displace(None, []) is None and policy.step_budget(77) == 77
-    assert not policy.defers_prefill(None) and policy.service_stats() is None
+    request = new_request("r", [1, 2, 3])
+    assert policy.displace(request, []) is None and policy.step_budget(77) == 77
+    assert not policy.defers_prefill(request) and policy.service_stats() is None
     assert not policy.overrides("begin_step") and policy.overrides("pick_victim")
 
 

@@ -213,7 +213,8 @@ class BlockPool:
         Callers pass a request's blocks tail-first, so that its last blocks
         (the least likely to be shared) are evicted first.
         """
-        cached, anonymous = [], []
+        cached: list[KVCacheBlock] = []
+        anonymous: list[KVCacheBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:

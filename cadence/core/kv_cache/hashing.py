@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 ROOT_HASH = 0x5CA1AB1E
 
@@ -48,6 +48,7 @@ def extend_block_hashes(
     """Append hashes to ``block_hashes`` until it covers ``num_full_blocks``
     blocks (full ones: ``token_ids`` holds at least that many)."""
     first = len(block_hashes)
+    block_token_tuples: Iterable[tuple[int, ...]]
     if num_full_blocks - first > 1:
         # A prompt's blocks: zip over block_size references to one iterator
         # yields one tuple per block, without a slice per block.

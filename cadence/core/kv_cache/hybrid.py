@@ -77,6 +77,7 @@ class HybridKVCacheManager:
         self._num_skipped: dict[str, int] = {}
         # Window groups, and the blocks a hit must hold before its end in each.
         self._window_groups = [g for g, w in enumerate(sliding_windows) if w is not None]
+        self._window_of = {g: w for g, w in enumerate(sliding_windows) if w is not None}
         self._full_groups = [g for g, w in enumerate(sliding_windows) if w is None]
         # Blocks owned (ref_cnt > 0) per group, for /metrics.
         self.num_owned_blocks = [0] * self.num_groups
@@ -140,7 +141,7 @@ class HybridKVCacheManager:
         num_blocks = min(num_blocks, len(hits[0]))
         cut = tuple(blocks[:num_blocks] for blocks in hits)
         for g in self._window_groups:
-            if not self._window_held(cut[g], num_blocks, self.sliding_windows[g]):
+            if not self._window_held(cut[g], num_blocks, self._window_of[g]):
                 return self._no_hits(), 0
         return cut, num_blocks * self.block_size
 
@@ -180,7 +181,7 @@ class HybridKVCacheManager:
 
     def _longest_window_hit(self, hashes: list[Any], group: int, max_hit: int) -> int:
         """Largest L <= max_hit whose last ``ceil((W-1)/bs)`` blocks (or all, if fewer) are cached."""
-        need = -(-(self.sliding_windows[group] - 1) // self.block_size)
+        need = -(-(self._window_of[group] - 1) // self.block_size)
         if need == 0:
             return max_hit
         cached, key = self.block_pool.cached_blocks, self._key
@@ -265,7 +266,7 @@ class HybridKVCacheManager:
         target = None
         null = self.null_block
         for g in self._window_groups:
-            first = self._first_needed_block(num_computed, self.sliding_windows[g])
+            first = self._first_needed_block(num_computed, self._window_of[g])
             if first <= skipped:
                 continue
             blocks = groups[g]
@@ -418,7 +419,7 @@ class HybridKVCacheManager:
                     yield [b for b in blocks if b is not null]
 
         self.block_pool.check_consistency(owners)
-        owned = [set() for _ in range(self.num_groups)]
+        owned: list[set[int]] = [set() for _ in range(self.num_groups)]
         for req_id, groups in self.req_to_blocks.items():
             assert len({len(blocks) for blocks in groups}) == 1, f"{req_id}: group lists differ in length"
             skipped = self._num_skipped[req_id]

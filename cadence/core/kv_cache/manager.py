@@ -167,7 +167,7 @@ class KVCacheManager:
         ):
             # The common decode step: the tokens fit the blocks held (15 steps
             # in 16), nothing to take from the pool.
-            new_block_ids = []
+            new_block_ids: list[int] | None = []
         else:
             if blocks is None:
                 blocks = self.req_to_blocks[req_id] = []
@@ -197,13 +197,13 @@ class KVCacheManager:
         num_new_blocks = -(-num_total // self.block_size) - len(blocks) - num_hits
         free_queue = self.block_pool.free_queue
 
-        if num_hits:
+        if new_computed_blocks:
             # Reviving cached-free hits takes them out of the free queue too.
-            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # type: ignore[union-attr]
+            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
             if num_new_blocks + num_revived > free_queue.num_free_blocks:
                 return None
-            self.block_pool.touch(new_computed_blocks)  # type: ignore[arg-type]
-            blocks.extend(new_computed_blocks)  # type: ignore[arg-type]
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
         elif num_new_blocks > free_queue.num_free_blocks:
             return None
 

@@ -33,7 +33,7 @@ from cadence.core.sched.kv_connector import KVConnectorBase, KVConnectorContext
 if TYPE_CHECKING:
     from cadence.config import KVTransferConfig
     from cadence.core.kv_cache.block_pool import KVCacheBlock
-    from cadence.core.kv_cache.manager import KVCacheManager
+    from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.outputs import KVConnectorOutput
     from cadence.core.request import Request
     from cadence.core.sched.output import SchedulerOutput
@@ -89,7 +89,7 @@ class OffloadingConnector(KVConnectorBase):
         self.block_size = context.block_size
         self.mode = context.preemption_mode
         self.tier = HostTier(tier_num_slots(config.kv_offload_size, context.bytes_per_block))
-        self.kv: KVCacheManager | None = None
+        self.kv: AnyKVCacheManager | None = None
         self.shares_prefixes = True  # set from the KV cache manager when bound
         self._requests: dict[str, Request] = {}  # admitted, not finished
         self._num_checked_blocks: dict[str, int] = {}  # req_id -> full blocks saved or found
@@ -104,7 +104,7 @@ class OffloadingConnector(KVConnectorBase):
         self.num_swapped_out = 0
         self.num_swapped_blocks = 0
 
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: AnyKVCacheManager) -> None:
         self.kv = kv_cache_manager
         # With prefix caching off no request reuses another's KV: the tier then
         # only holds swapped requests' own KV (no write-through saves, no hits).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from cadence.core.compiled import trait
 from cadence.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -31,10 +32,11 @@ from cadence.core.outputs import (
 )
 from cadence.core.request import Request, RequestStatus
 from cadence.core.sched import spec_decode
+from cadence.core.sched.lifecycle import RequestLifecycle
 from cadence.core.sched.stop import append_token, append_tokens
 
 if TYPE_CHECKING:
-    from cadence.core.kv_cache import KVCacheManager
+    from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.sched.kv_connector import KVConnectorBase
     from cadence.core.sched.output import SchedulerOutput
     from cadence.core.sched.structured_output import StructuredOutputManager
@@ -42,17 +44,19 @@ if TYPE_CHECKING:
 _PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
 
 
-class OutputAbsorber:
+@trait
+class OutputAbsorber(RequestLifecycle):
     """Methods of ``Scheduler`` that turn a ``ModelRunnerOutput`` into request
     state and ``EngineCoreOutputs``.
 
     A mixin with no state of its own; it frees and forks requests through
-    the scheduler's lifecycle methods (``lifecycle``).
+    the scheduler's lifecycle methods (``lifecycle``), its base, and
+    implements the interface's ``update_from_output``.
     """
 
     # The scheduler's state these methods read and change (see Scheduler.__init__).
     requests: dict[str, Request]
-    kv_cache_manager: KVCacheManager
+    kv_cache_manager: AnyKVCacheManager
     connector: KVConnectorBase | None
     structured_output_manager: StructuredOutputManager | None
     # Ids whose remote KV arrived -> how many of their leading blocks hold
@@ -104,9 +108,10 @@ class OutputAbsorber:
                     spec_stats = self._roll_back_rejected(
                         request, scheduled_drafts[req_id], len(new_token_ids), spec_stats
                     )
-                output = self._update_request(request, index, new_token_ids, model_runner_output)
-                if output is None:
+                general = self._update_request(request, index, new_token_ids, model_runner_output)
+                if general is None:
                     continue
+                output = general
                 if output.finish_reason is not None:
                     num_stopped += 1  # only a request that stopped in this step has one
             client_outputs = outputs.get(request.client_index)

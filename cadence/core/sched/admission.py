@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from cadence.core.kv_cache import KVCacheManager
+from cadence.core.kv_cache import AnyKVCacheManager
 from cadence.core.request import Request
 
 
 class AdmissionPolicy(Protocol):
-    def can_admit(self, request: Request, kv_cache_manager: KVCacheManager) -> bool:
+    def can_admit(self, request: Request, kv_cache_manager: AnyKVCacheManager) -> bool:
         """Whether a waiting request may start (or resume) this step."""
         ...
 
 
 class AlwaysAdmit:
-    def can_admit(self, request: Request, kv_cache_manager: KVCacheManager) -> bool:
+    def can_admit(self, request: Request, kv_cache_manager: AnyKVCacheManager) -> bool:
         return True
 
 
@@ -30,7 +30,7 @@ class SafetyMarginAdmission:
     def __init__(self, margin: float) -> None:
         self.margin = margin
 
-    def can_admit(self, request: Request, kv_cache_manager: KVCacheManager) -> bool:
+    def can_admit(self, request: Request, kv_cache_manager: AnyKVCacheManager) -> bool:
         pool = kv_cache_manager.block_pool
         return pool.num_free_blocks >= self.margin * pool.num_blocks
 

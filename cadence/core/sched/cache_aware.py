@@ -38,7 +38,7 @@ from cadence.core.request import Request
 from cadence.core.sched.policy import SchedulingPolicy
 
 if TYPE_CHECKING:
-    from cadence.core.kv_cache import KVCacheManager
+    from cadence.core.kv_cache import AnyKVCacheManager
 
 # Waiting requests scored each step: the head of the queue.
 WINDOW = 64
@@ -142,7 +142,7 @@ class CacheAwarePolicy(SchedulingPolicy):
     def __init__(self) -> None:
         self.max_bypass = DEFAULT_MAX_BYPASS
         self._queue: CacheAwareQueue | None = None
-        self._kv: "KVCacheManager | None" = None
+        self._kv: AnyKVCacheManager | None = None
 
     def configure(self, config) -> None:
         bound = config.lpm_max_bypass
@@ -150,7 +150,7 @@ class CacheAwarePolicy(SchedulingPolicy):
             raise ValueError("lpm_max_bypass: must be >= 0")
         self.max_bypass = DEFAULT_MAX_BYPASS if bound is None else bound
 
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: AnyKVCacheManager) -> None:
         self._kv = kv_cache_manager
 
     def make_queue(self) -> CacheAwareQueue:
@@ -166,6 +166,6 @@ class CacheAwarePolicy(SchedulingPolicy):
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of the request's prompt found in the prefix cache now."""
-        if request.num_computed_tokens:
+        if request.num_computed_tokens or self._kv is None:
             return 0
         return self._kv.num_cached_prefix_tokens(request)

@@ -283,7 +283,7 @@ class FairPolicy(SchedulingPolicy):
 
     def step_budget(self, budget: int) -> int:
         """This step's token budget (after ``begin_step``)."""
-        if self._short:
+        if self._short and self.short_step_tokens is not None:  # (set only with short steps)
             return min(budget, self.short_step_tokens)
         return budget
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from typing import TYPE_CHECKING, Any, Iterable
 
+from cadence.core.compiled import trait
+
 if TYPE_CHECKING:
-    from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+    from cadence.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerStats, SpecDecodingStats
     from cadence.core.request import Request, RequestStatus
     from cadence.core.sched.output import SchedulerOutput
 
 
-class SchedulerInterface(ABC):
+@trait
+class SchedulerInterface(metaclass=ABCMeta):
     """What ``EngineCore`` calls, once per step and on requests from outside."""
 
     @abstractmethod
@@ -76,8 +79,9 @@ class SchedulerInterface(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def make_stats(self) -> "SchedulerStats | None":
-        """A stats snapshot (None unless the scheduler logs stats)."""
+    def make_stats(self, spec_decoding_stats: "SpecDecodingStats | None" = None) -> "SchedulerStats | None":
+        """A stats snapshot (None unless the scheduler logs stats), with the
+        step's speculative-decoding counts if it has some."""
         raise NotImplementedError
 
     @abstractmethod

@@ -24,9 +24,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cadence.core.compiled import mypyc_attr
+
 if TYPE_CHECKING:
+    from cadence.core.kv_cache import BlockIds
     from cadence.core.kv_cache.block_pool import KVCacheBlock
-    from cadence.core.kv_cache.manager import KVCacheManager
+    from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.outputs import KVConnectorOutput, PrefixCacheStats
     from cadence.core.request import Request
     from cadence.core.sched.output import SchedulerOutput
@@ -49,6 +52,7 @@ class KVConnectorContext:
     preemption_mode: str = "recompute"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # connectors live outside core/sched
 class KVConnectorBase(ABC):
     """Scheduler-side connector hooks."""
 
@@ -56,7 +60,7 @@ class KVConnectorBase(ABC):
     # (the engine refuses them otherwise).
     reads_kv_transfer_params: bool = False
 
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: AnyKVCacheManager) -> None:
         """The scheduler's KV cache manager (block ids and block hashes of
         requests); called once, when the scheduler is built."""
 
@@ -87,7 +91,7 @@ class KVConnectorBase(ABC):
         """Worker-side results of a step."""
 
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self, request: "Request", block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks until sent, transfer params for the client)."""
         return False, None

@@ -25,12 +25,14 @@ import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from cadence.core.compiled import trait
 from cadence.core.outputs import EngineCoreOutput
 from cadence.core.request import Request, RequestEventType, RequestStatus
+from cadence.core.sched.interface import SchedulerInterface
 
 if TYPE_CHECKING:
     from cadence.config import SchedulerConfig
-    from cadence.core.kv_cache import KVCacheManager
+    from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.sched.encoder import EncoderCacheManager
     from cadence.core.sched.kv_connector import KVConnectorBase
     from cadence.core.sched.parallel_sampling import ForkRegistry
@@ -42,12 +44,15 @@ _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
 
 
-class RequestLifecycle:
+@trait
+class RequestLifecycle(SchedulerInterface):
     """Methods of ``Scheduler`` that add, fork, finish and free requests.
 
     A mixin with no state of its own: it reads and changes the scheduler's
     ``requests``, ``running`` and ``waiting``, and the finished, sending and
-    unsent id sets that ``Scheduler.__init__`` declares.
+    unsent id sets that ``Scheduler.__init__`` declares. It implements the
+    interface's ``add_request`` and ``finish_requests``; a trait, so that the
+    compiled build keeps the scheduler's one chain of bases (``compiled``).
     """
 
     # The scheduler's state these methods read and change (see Scheduler.__init__).
@@ -55,7 +60,7 @@ class RequestLifecycle:
     requests: dict[str, Request]
     running: list[Request]
     waiting: RequestQueue
-    kv_cache_manager: KVCacheManager
+    kv_cache_manager: AnyKVCacheManager
     encoder_cache_manager: EncoderCacheManager
     connector: KVConnectorBase | None
     structured_output_manager: StructuredOutputManager | None
@@ -117,6 +122,7 @@ class RequestLifecycle:
     def _init_grammar(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits in WAITING_FOR_FSM meanwhile."""
         if request.use_structured_output:
+            assert self.structured_output_manager is not None  # add_request refuses grammars without one
             self.structured_output_manager.grammar_init(request)
             request.status = RequestStatus.WAITING_FOR_FSM
 

@@ -10,11 +10,13 @@ ids in ``finished_req_ids`` and ``preempted_req_ids``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from cadence.core.request import LoRARequest, PlaceholderRange, Request
-    from cadence.sampling_params import SamplingParams
+# At run time, not only for the type checker: the compiled build (core/compiled.py)
+# reads the dataclasses' annotations when it creates them.
+from cadence.core.kv_cache import BlockIds
+from cadence.core.request import LoRARequest, PlaceholderRange, Request
+from cadence.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -24,7 +26,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: "SamplingParams"
-    block_ids: list[int]
+    block_ids: BlockIds
     num_computed_tokens: int
     lora_request: "LoRARequest | None" = None
     # Tokens already sampled (a forked child or a resumed request sent anew).
@@ -36,7 +38,7 @@ class NewRequestData:
     eos_token_id: int | None = None
 
     @classmethod
-    def from_request(cls, request: "Request", block_ids: list[int]) -> "NewRequestData":
+    def from_request(cls, request: "Request", block_ids: BlockIds) -> "NewRequestData":
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -66,7 +68,7 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[BlockIds] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property

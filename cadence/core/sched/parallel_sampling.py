@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from cadence.core.kv_cache import KVCacheManager
+from cadence.core.kv_cache import AnyKVCacheManager
 from cadence.core.request import Request
 
 
@@ -32,7 +32,7 @@ class ForkRegistry:
         self.block_size = block_size
         self._children: dict[str, list[str]] = {}
 
-    def prepare(self, parent: Request, kv_cache_manager: KVCacheManager) -> list[Request] | None:
+    def prepare(self, parent: Request, kv_cache_manager: AnyKVCacheManager) -> list[Request] | None:
         """Set the parent's fork point; returns the children instead if there is nothing to share."""
         fork_point = (parent.num_prompt_tokens - 1) // self.block_size * self.block_size
         if fork_point == 0:
@@ -45,7 +45,7 @@ class ForkRegistry:
         parent.fork_point = fork_point
         return None
 
-    def share_prefix(self, parent: Request, child: Request, kv_cache_manager: KVCacheManager) -> None:
+    def share_prefix(self, parent: Request, child: Request, kv_cache_manager: AnyKVCacheManager) -> None:
         """Give ``child`` the parent's computed blocks: it starts at the fork point."""
         fork_point = parent.fork_point
         assert fork_point is not None

@@ -34,6 +34,7 @@ from collections import deque
 from typing import Callable, Iterable, Iterator, Protocol
 
 from cadence.config import POLICY_ENTRY_POINT_GROUP, SCHEDULING_POLICIES, installed_policy_names
+from cadence.core.compiled import mypyc_attr
 from cadence.core.request import Request
 
 
@@ -44,7 +45,7 @@ class RequestQueue(Protocol):
     def pop_request(self) -> Request: ...
     def peek_request(self) -> Request: ...
     def prepend_request(self, request: Request) -> None: ...
-    def prepend_requests(self, requests: "RequestQueue") -> None: ...
+    def prepend_requests(self, requests: Iterable[Request]) -> None: ...
     def remove_requests(self, requests: Iterable[Request]) -> None: ...
     def __len__(self) -> int: ...
     def __bool__(self) -> bool: ...
@@ -60,6 +61,7 @@ class AdmissionRefused(Exception):
         self.retry_after_s = retry_after_s
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # policies may come from other packages
 class SchedulingPolicy:
     """What the scheduler asks of a policy: every hook it calls, each with the
     default a policy gets when it leaves the hook out (subclass this class,
@@ -167,7 +169,7 @@ class FCFSQueue:
     def prepend_request(self, request: Request) -> None:
         self._queue.appendleft(request)
 
-    def prepend_requests(self, requests: RequestQueue) -> None:
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
         # Keep their order: the first of ``requests`` ends up at the very front.
         self._queue.extendleft(reversed(list(requests)))
 
@@ -211,7 +213,7 @@ class KeyedQueue:
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
 
-    def prepend_requests(self, requests: RequestQueue) -> None:
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:
             self.add_request(request)
 
@@ -246,6 +248,7 @@ class FCFSPolicy(SchedulingPolicy):
         return running[-1]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (a benchmark bends it)
 class PriorityPolicy(SchedulingPolicy):
     reads_priority = True
 
@@ -292,7 +295,7 @@ def configured_policy(config) -> SchedulingPolicy:
 def make_policy(name: str) -> SchedulingPolicy:
     """The policy registered as ``name``, or made by ``"package.module:factory"``
     (importable in every process: the engine core may run in another one)."""
-    factory = _POLICIES.get(name)
+    factory: Callable[[], object] | None = _POLICIES.get(name)
     if factory is None and ":" in name:
         factory = _import_factory(name)
     if factory is None:
@@ -300,11 +303,11 @@ def make_policy(name: str) -> SchedulingPolicy:
     if factory is None:
         raise ValueError(f"policy: unknown scheduling policy {name!r}; known: "
                          f"{sorted(_POLICIES) + installed_policy_names()}, or 'package.module:factory'")
-    policy = factory()
-    if not isinstance(policy, SchedulingPolicy):
-        raise ValueError(f"policy: {name!r} made a {type(policy).__name__}, not a SchedulingPolicy "
+    made: object = factory()  # (whatever a factory from outside returns)
+    if not isinstance(made, SchedulingPolicy):
+        raise ValueError(f"policy: {name!r} made a {type(made).__name__}, not a SchedulingPolicy "
                          "(subclass cadence.core.sched.policy.SchedulingPolicy)")
-    return policy
+    return made
 
 
 def _installed_factory(name: str) -> Callable[[], SchedulingPolicy] | None:

@@ -11,7 +11,10 @@ that step.
 This module decides who runs and builds the ``SchedulerOutput``. The
 ``Scheduler`` is the one owner of the queues (``waiting``, ``running``), the
 request map and the finished/sending id sets, all declared in its
-``__init__``; two mixins hold its methods for the rest of a request's life:
+``__init__``; two mixins hold its methods for the rest of a request's life,
+one chain of bases (``Scheduler`` → ``OutputAbsorber`` → ``RequestLifecycle``
+→ ``SchedulerInterface``, all but the first traits for the optional compiled
+build, ``core/compiled.py``):
 
 - ``lifecycle``: add, finish, cancel, fork (n > 1) and free requests;
 - ``absorb``: ``update_from_output``, the runner's sampled tokens turned
@@ -32,7 +35,7 @@ import enum
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from cadence.core.kv_cache import KVCacheLayout, make_kv_cache_manager
@@ -48,8 +51,6 @@ from cadence.core.request import Request, RequestEventType, RequestStatus
 from cadence.core.sched.absorb import OutputAbsorber
 from cadence.core.sched.admission import make_admission_policy, prefill_first_order
 from cadence.core.sched.encoder import EncoderCacheManager, free_consumed_encoder_inputs
-from cadence.core.sched.interface import SchedulerInterface
-from cadence.core.sched.lifecycle import RequestLifecycle
 from cadence.core.sched.lora import LoRABatchLimit
 from cadence.core.sched.parallel_sampling import ForkRegistry
 from cadence.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -59,6 +60,7 @@ from cadence.core.sched.step import StepPlan
 from cadence.core.sched.structured_output import can_fill_ahead
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache import BlockIds
     from cadence.core.kv_cache.block_pool import KVCacheEvent
     from cadence.core.sched.kv_connector import KVConnectorBase
     from cadence.core.sched.structured_output import StructuredOutputManager
@@ -81,7 +83,7 @@ class Admission(enum.Enum):
     STOP = "stop"
 
 
-class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
+class Scheduler(OutputAbsorber):
     """Continuous-batching scheduler over a paged KV cache."""
 
     def __init__(
@@ -303,7 +305,7 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
 
     def _preempt_until_allocated(
         self, request: Request, num_new: int, plan: StepPlan
-    ) -> list[int] | None:
+    ) -> BlockIds | None:
         """Preempt victims until ``request`` gets its blocks; None if it was the victim."""
         while True:
             victim = self.policy.pick_victim(self.running)
@@ -409,7 +411,7 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
         False: nobody else may be admitted this step (see ``_release_loaded``)."""
         requests = self.requests
         self._loaded_waiting.intersection_update(requests)  # drop those aborted meanwhile
-        admitted = []
+        admitted: list[Request] = []
         for req_id in (*self.finished_recving_kv_req_ids, *self._loaded_waiting):
             request = requests.get(req_id)
             if request is None or request.is_finished():
@@ -530,7 +532,7 @@ class Scheduler(RequestLifecycle, OutputAbsorber, SchedulerInterface):
         self._start_running(request, num_computed, num_new, plan)
         return Admission.ADMITTED
 
-    def _computed_prefix(self, request: Request) -> tuple[list, int, int, bool]:
+    def _computed_prefix(self, request: Request) -> tuple[Any, int, int, bool]:
         """(local cache hits, their token count, external tokens, async load?)."""
         if request.num_computed_tokens > 0:
             # Its KV is already in place (a forked child, or an async load that finished).

@@ -16,6 +16,7 @@ from cadence.core.sched.prefill_caps import PrefillCaps
 
 if TYPE_CHECKING:
     from cadence.config import SchedulerConfig
+    from cadence.core.kv_cache import BlockIds
     from cadence.core.request import Request
     from cadence.core.sched.lora import LoRABatchLimit
 
@@ -34,7 +35,7 @@ class StepPlan:
         self.token_budget = token_budget
         self.token_limit = token_budget  # the step's whole budget (token_budget: what is left)
         self.num_scheduled_tokens: dict[str, int] = {}
-        self.new_block_ids: dict[str, list[int]] = {}
+        self.new_block_ids: dict[str, BlockIds] = {}
         self.running: list[Request] = []  # already running, scheduled again
         self.new: list[Request] = []  # first time the runner sees them
         self.resumed: list[Request] = []  # back from preemption
@@ -62,7 +63,7 @@ class StepPlan:
 
     # ---- recording -----------------------------------------------------
 
-    def schedule_running(self, request: "Request", num_new: int, new_block_ids: list[int]) -> None:
+    def schedule_running(self, request: "Request", num_new: int, new_block_ids: BlockIds) -> None:
         req_id = request.request_id
         self.running.append(request)
         self.num_scheduled_tokens[req_id] = num_new
@@ -75,7 +76,7 @@ class StepPlan:
         if self._tracks_extras or request.structured_output_request is not None:
             self._after_scheduled(request)
 
-    def schedule_admitted(self, request: "Request", num_new: int, block_ids: list[int]) -> None:
+    def schedule_admitted(self, request: "Request", num_new: int, block_ids: BlockIds) -> None:
         req_id = request.request_id
         self.num_scheduled_tokens[req_id] = num_new
         self.new_block_ids[req_id] = block_ids

@@ -21,6 +21,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from cadence.core.compiled import mypyc_attr
 from cadence.core.request import Request
 from cadence.core.sched.thinking import ThinkingBudget
 
@@ -96,6 +97,7 @@ class StructuredOutputRequest:
         return str(self._future.exception()) if self.failed else ""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (tests step its compiles by hand)
 class StructuredOutputManager:
     """Compiles grammars in a thread and builds each step's bitmask."""
 
@@ -119,6 +121,8 @@ class StructuredOutputManager:
     def _thinking_budget(request: Request, answer: Grammar | None) -> ThinkingBudget:
         """The budget's state, in front of the answer's grammar (thinking.py)."""
         params = request.sampling_params
+        # Validated together (SamplingParams): a budget comes with the model's thinking tokens.
+        assert params.thinking_token_budget is not None and params.thinking is not None
         return ThinkingBudget(params.thinking_token_budget, params.thinking, answer)
 
     def grammar_bitmask(
