@@ -191,7 +191,7 @@ def rate_table_header() -> str:
 
 def sustained_row(label: str, sweep: Sweep) -> str:
     low, high = sweep.bracket
-    above = "none failed" if math.isinf(high) else f"fails at {_num(high)}"
+    above = "none failed (a lower bound)" if math.isinf(high) else f"fails at {_num(high)}"
     return f"| {label} | {_num(sweep.sustained_rate)} | {above} | {len(sweep.results)} |"
 
 

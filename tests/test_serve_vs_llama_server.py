@@ -143,7 +143,7 @@ def test_tables_and_json(sweep):
                          {"server_cores": 1.5, "client_cores": 0.25, "other_cores": 0.0})
     assert row == ("| cadence defaults | 4 | 8/8 | 100 | 50 / 100 | 10 / 20 | ok | 1.50 / 0.25 / 0.00 |")
     assert row.count("|") == sweep.rate_table_header().splitlines()[0].count("|")
-    assert "| 4 | none failed | 1 |" in sweep.sustained_row("x", found)
+    assert "| 4 | none failed (a lower bound) | 1 |" in sweep.sustained_row("x", found)
     assert json.loads(json.dumps(sweep.to_jsonable(found)))["bracket"] == [4.0, None]
 
 
