@@ -192,7 +192,8 @@ def test_a_server_that_cannot_start_is_a_failed_point(bench, tmp_path):
     script, servers, sweep = bench["serve_vs_llama_server"], bench["peer_servers"], bench["serve_sweep"]
     sitting = script.Sitting(
         models=[], configs=[], scenarios=["chat"], rates=[1.0], num_requests=4, output_tokens=8, cores=[0],
-        sweep=False, max_probes=0, quiet_wait_s=0.0, slo=sweep.SLO(), work_dir=tmp_path,
+        sweep=False, max_probes=0, quiet_wait_s=0.0, max_other_cores=0.25, reruns=2, slo=sweep.SLO(),
+        work_dir=tmp_path,
         llama_server=tmp_path / "no-such-llama-server", aiperf=tmp_path / "no-such-aiperf")
     model = script.Model("m", tmp_path / "m.gguf", None)
     point = script.measure_point(sitting, model, servers.server_configs(1)["llama-defaults"], "chat", 1.0)
