@@ -109,11 +109,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serving_threads() -> int:
-    """torch threads of the engine when --num-threads is not given: every core but
-    one, which the HTTP front end (tokenizing, detokenizing, SSE) needs. On a
-    small CPU an engine that also claims that core stalls at every OpenMP
-    barrier whenever the front end runs."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """torch threads of the engine when --num-threads is not given: every core.
+
+    Leaving one to the HTTP front end (tokenizing, detokenizing, SSE), on the
+    reasoning that the engine's OpenMP barriers would otherwise stall behind
+    it, measured worse everywhere: on 2 cores, under aiperf at 1 to 64
+    requests/s, an engine with both cores had the lower TTFT and TPOT at
+    every rate on both the default model and Gemma 3 270M, the front end and
+    the client taking 0.1-0.5 of a core beside it (BENCHMARKS.md,
+    serve-vs-llama-server-v1)."""
+    return os.cpu_count() or 1
 
 
 def run_server(config: ServerConfig, options: Any) -> int:
