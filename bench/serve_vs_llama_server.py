@@ -25,7 +25,11 @@ Workloads (``--scenarios``):
                    i gets prompt i % 4): what a prefix cache is for
 
 Servers (``--servers``; see peer_servers.py): ``cadence-defaults``,
-``cadence-best``, ``llama-defaults``, ``llama-best``. Each measured point
+``llama-defaults``, ``llama-best`` by default. ``cadence-best``
+(``--num-threads`` every core) is cadence's best configuration on these
+machines, and its defaults since serving threads became every core
+(BENCHMARKS serve-vs-llama-server-v1), so a sitting runs it only when asked.
+Each measured point
 waits for a quiet moment, starts its server afresh (empty caches, one warm-up
 request on an unrelated prompt), runs aiperf, and stops it; each row says the
 cores the server, aiperf and everything else kept busy, and a point during
@@ -405,7 +409,7 @@ def make_header(sitting: Sitting, peer: dict) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="default,gemma", help="default, gemma or GGUF paths")
-    parser.add_argument("--servers", default="cadence-defaults,cadence-best,llama-defaults,llama-best")
+    parser.add_argument("--servers", default="cadence-defaults,llama-defaults,llama-best")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--rates", default="1,2,4,8,16", help="fixed request rates, requests/s")
     parser.add_argument("--requests-per-rate", type=int, default=64)
