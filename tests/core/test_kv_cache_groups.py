@@ -6,14 +6,17 @@ leaks, whatever finishes, aborts or is preempted."""
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from cadence.core.kv_cache import HybridKVCacheManager, KVCacheManager, plan_kv_cache_layout
+from cadence.core.kv_cache import BlockRemoved, HybridKVCacheManager, KVCacheManager, plan_kv_cache_layout
+from cadence.core.kv_cache.hashing import ROOT_HASH
 from cadence.core.request import RequestStatus
 from cadence.core.testing import (
     FakeRunner, all_blocks_free, flatten, greedy_stream, new_request, new_scheduler,
 )
+from cadence.engine.dp_router import PrefixIndex
 from tests.core.kv_oracle import expected_streams, run_workload, workloads
 
 BS = 4
@@ -108,6 +111,33 @@ def test_a_prefix_hit_needs_only_the_window_in_a_window_group():
     kv.check_consistency()
     kv.free(second)
     kv.check_consistency()
+
+
+def test_kv_cache_events_name_each_groups_blocks_and_the_router_reads_group_0():
+    kv = HybridKVCacheManager(9, BS, 256, sliding_windows=(None, 8), enable_kv_cache_events=True)
+    request = new_request("a", list(range(100, 112)), max_tokens=1)
+    _advance(kv, request, 12)
+    kv.cache_blocks(request, 12)
+    stored = kv.take_events()
+    hashes = request.block_hashes
+    assert [(e.block_hashes, e.group) for e in stored] == [([hashes[i]], g) for g in (0, 1) for i in range(3)]
+    assert [e.parent_block_hash for e in stored[:3]] == [ROOT_HASH, hashes[0], hashes[1]]
+    assert stored[1].token_ids == list(range(104, 108)) and stored[1].block_size == BS
+    # On the wire a group-0 event has exactly the one-group fields; others append their group.
+    assert len(msgspec.msgpack.decode(msgspec.msgpack.encode(stored[0]))) == 5
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(stored[3]))[-1] == 1
+    kv.free(request)
+    # Eight usable blocks, six cached-free: a new request of 8 blocks evicts them all
+    # (and stores its own).
+    _advance(kv, new_request("b", list(range(200, 216)), max_tokens=1), 16)
+    removed = [e for e in kv.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted((e.block_hashes[0], e.group) for e in removed) == sorted(
+        (hashes[i], g) for g in (0, 1) for i in range(3))
+    index = PrefixIndex(1, BS)
+    index.absorb(0, stored)
+    assert index.num_held_blocks(0) == 3  # group 0's blocks: the full layers
+    index.absorb(0, removed)
+    assert index.num_held_blocks(0) == 0
 
 
 def test_window_groups_admit_more_long_requests_than_one_full_group():

@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from cadence.core.kv_cache.groups import blocks_per_request
-from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, extend_block_hashes
+from cadence.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from cadence.core.kv_cache.groups import blocks_per_request, first_entry_in_window
+from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, ROOT_HASH, extend_block_hashes
 from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
@@ -54,9 +55,6 @@ class HybridKVCacheManager:
         enable_kv_cache_events: bool = False,
         log_stats: bool = False,
     ) -> None:
-        if enable_kv_cache_events:
-            raise ValueError("enable_kv_cache_events: not recorded for KV cache groups "
-                             "(one group: kv_cache_groups off)")
         if num_blocks < 2:
             raise ValueError("num_blocks: KV cache groups need >= 2 blocks (one is the null block)")
         if any(w is not None and w < 1 for w in sliding_windows):
@@ -66,7 +64,9 @@ class HybridKVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_windows = tuple(sliding_windows)
         self.num_groups = len(sliding_windows)
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching,
+                                    enable_events=enable_kv_cache_events)
+        self.enable_kv_cache_events = enable_kv_cache_events
         self.null_block = self.block_pool.free_queue.popleft()  # block 0
         self.null_block.ref_cnt = 1  # held for ever: never free, never cached
         self._hash_fn = BLOCK_HASH_FNS[hash_algo]
@@ -207,8 +207,7 @@ class HybridKVCacheManager:
 
     def _first_needed_block(self, num_computed: int, window: int) -> int:
         """Entries wholly before the first key the next query (at ``num_computed``) sees."""
-        first_key = num_computed - window + 1
-        return first_key // self.block_size if first_key > 0 else 0
+        return first_entry_in_window(num_computed, window, self.block_size)
 
     def _window_held(self, blocks: list[KVCacheBlock], num_blocks: int, window: int) -> bool:
         first = self._first_needed_block(num_blocks * self.block_size, window)
@@ -257,6 +256,15 @@ class HybridKVCacheManager:
             if num_known // self.block_size > self.num_cached_blocks[req_id]:
                 self.cache_blocks(request, num_known)
         return new_block_ids
+
+    def free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
+        """Free now what no window layer reads once ``num_computed_tokens`` are
+        computed: a connector's load jumps the request ahead, and loads into a
+        window group only what its window reads at the load's end, so the entries
+        before it are never written and must not enter the prefix cache."""
+        groups = self.req_to_blocks.get(request.request_id)
+        if groups is not None and self._window_groups:
+            self._free_behind_window(request.request_id, groups, num_computed_tokens)
 
     def _free_behind_window(self, req_id: str, groups: GroupBlocks, num_computed: int) -> None:
         """Replace the entries no window layer reads any more by the null block."""
@@ -329,6 +337,7 @@ class HybridKVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         cached, null, key = self.block_pool.cached_blocks, self.null_block, self._key
+        record = self.block_pool.record_event if self.enable_kv_cache_events else None
         for g, blocks in enumerate(groups):
             for i in range(first, num_full):
                 block = blocks[i]
@@ -339,7 +348,16 @@ class HybridKVCacheManager:
                     continue  # an equal block is cached; this one stays anonymous
                 block.block_hash = block_key
                 cached[block_key] = block
+                if record is not None:
+                    record(self._stored_event(request, hashes, i, g))
         self.num_cached_blocks[req_id] = num_full
+
+    def _stored_event(self, request: Request, hashes: list[Any], index: int, group: int) -> BlockStored:
+        """Block ``index`` of ``group`` entered the prefix cache (under its hash, not its key)."""
+        size = self.block_size
+        token_ids = request.all_token_ids[index * size:(index + 1) * size]
+        parent = hashes[index - 1] if index else ROOT_HASH
+        return BlockStored([hashes[index]], parent, token_ids, len(token_ids), request.extra_hash_key, group)
 
     def block_hashes_of(self, request: Request, num_blocks: int) -> list[Any]:
         return self._block_hashes(request, num_blocks)
@@ -376,6 +394,7 @@ class HybridKVCacheManager:
         for block in pool.cached_blocks.values():
             block.block_hash = None
         pool.cached_blocks.clear()
+        pool.record_event(AllBlocksCleared())
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return True
@@ -402,8 +421,16 @@ class HybridKVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    def take_events(self) -> list:
-        return []
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call; an eviction the pool recorded under a
+        group's key (``(hash, group)``) is told under the hash, with its group."""
+        events = self.block_pool.take_events()
+        for i, event in enumerate(events):
+            # Hashes are ints or bytes: a tuple is a key of a group beyond the first.
+            if isinstance(event, BlockRemoved) and isinstance(event.block_hashes[0], tuple):
+                ((block_hash, group),) = event.block_hashes
+                events[i] = BlockRemoved([block_hash], group)
+        return events
 
     def check_consistency(self) -> None:
         """Assert block-state invariants (tests call this every step): the

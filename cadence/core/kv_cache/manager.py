@@ -213,6 +213,10 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return [block.block_id for block in new_blocks]
 
+    def free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
+        """Nothing: every layer of this cache reads the whole context (the hybrid
+        manager frees a window group's blocks behind its window here)."""
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the prefix cache."""
         if not self.enable_caching:

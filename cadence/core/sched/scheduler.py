@@ -612,6 +612,9 @@ class Scheduler(OutputAbsorber):
             # A parent forks after a step of its own: as with local hits, it
             # computes (again) the block before its fork point.
             num_computed = min(num_computed, request.fork_point - self.block_size)
+        # A window group got only what its window reads at the load's end: the
+        # entries before it (never written) go before anything enters the prefix cache.
+        kv.free_behind_window(request, num_computed)
         if num_valid is not None:
             kv.cache_blocks(request, min(num_valid * self.block_size, num_computed))
             kv.free(request)
