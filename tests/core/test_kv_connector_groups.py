@@ -19,7 +19,8 @@ WINDOW = 9  # a query at position p reads keys from p - 8 on: two blocks of 4 be
 LAYOUT = plan_kv_cache_layout(2, WINDOW, (1,))  # full [1]; window [0]
 
 
-def tier_engine(num_blocks: int = 64, mode: str = "recompute", budget: int = 64, tier_slots: int = 64):
+def tier_engine(num_blocks: int = 64, mode: str = "recompute", budget: int = 64, tier_slots: int = 64,
+                caching: bool = True):
     context = KVConnectorContext(
         block_size=BLOCK_SIZE, num_blocks=num_blocks, bytes_per_block=BYTES_PER_BLOCK,
         seconds_per_token=1e-3, copy_bytes_per_second=1e10, preemption_mode=mode)
@@ -27,7 +28,7 @@ def tier_engine(num_blocks: int = 64, mode: str = "recompute", budget: int = 64,
         KVTransferConfig(kv_offload_size=tier_slots * BYTES_PER_BLOCK / 2**30), context)
     scheduler = new_scheduler(block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks, kv_connector=connector,
                               kv_cache_layout=LAYOUT, max_num_batched_tokens=budget,
-                              enable_prefix_caching=True)
+                              enable_prefix_caching=caching)
     return scheduler, OracleRunner(sliding_windows=LAYOUT.sliding_windows)
 
 
@@ -73,8 +74,9 @@ def test_a_tier_hit_loads_every_full_position_and_a_window_groups_window():
 
 
 def test_swap_preemption_copies_each_groups_blocks_and_none_behind_a_window():
-    # Two requests that outgrow 30 blocks together: one is swapped out and back.
-    scheduler, runner = tier_engine(num_blocks=30, mode="swap", budget=16)
+    # Two requests that outgrow 30 blocks together: one is swapped out and back
+    # (prefix caching off: the tier holds swapped KV only, so every block is copied).
+    scheduler, runner = tier_engine(num_blocks=30, mode="swap", budget=16, caching=False)
     prompts = {f"r{i}": prompt_of(f"r{i}", 20) for i in range(2)}
     streams = {}
     metas = drive(scheduler, runner, [new_request(req_id, prompt, max_tokens=30, ignore_eos=True)

@@ -238,8 +238,8 @@ class HybridKVCacheManager:
             self._free_behind_window(req_id, groups, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_total = num_computed + num_lookahead_tokens
-        if new_computed_blocks is not None and not new_computed_blocks[0]:
-            new_computed_blocks = None
+        if new_computed_blocks is not None and not (new_computed_blocks and new_computed_blocks[0]):
+            new_computed_blocks = None  # no hits (or the scheduler's [] for KV already in place)
         if new_computed_blocks is None and num_total <= len(groups[0]) * self.block_size:
             new_block_ids: GroupBlockIds = tuple([] for _ in range(self.num_groups))
         else:
@@ -348,16 +348,16 @@ class HybridKVCacheManager:
                     continue  # an equal block is cached; this one stays anonymous
                 block.block_hash = block_key
                 cached[block_key] = block
-                if record is not None:
-                    record(self._stored_event(request, hashes, i, g))
+                if record is not None and g == 0:
+                    record(self._stored_event(request, hashes, i))
         self.num_cached_blocks[req_id] = num_full
 
-    def _stored_event(self, request: Request, hashes: list[Any], index: int, group: int) -> BlockStored:
-        """Block ``index`` of ``group`` entered the prefix cache (under its hash, not its key)."""
+    def _stored_event(self, request: Request, hashes: list[Any], index: int) -> BlockStored:
+        """Block ``index`` of group 0 entered the prefix cache."""
         size = self.block_size
         token_ids = request.all_token_ids[index * size:(index + 1) * size]
         parent = hashes[index - 1] if index else ROOT_HASH
-        return BlockStored([hashes[index]], parent, token_ids, len(token_ids), request.extra_hash_key, group)
+        return BlockStored([hashes[index]], parent, token_ids, len(token_ids), request.extra_hash_key)
 
     def block_hashes_of(self, request: Request, num_blocks: int) -> list[Any]:
         return self._block_hashes(request, num_blocks)
@@ -422,15 +422,12 @@ class HybridKVCacheManager:
         return stats
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The events since the last call; an eviction the pool recorded under a
-        group's key (``(hash, group)``) is told under the hash, with its group."""
-        events = self.block_pool.take_events()
-        for i, event in enumerate(events):
-            # Hashes are ints or bytes: a tuple is a key of a group beyond the first.
-            if isinstance(event, BlockRemoved) and isinstance(event.block_hashes[0], tuple):
-                ((block_hash, group),) = event.block_hashes
-                events[i] = BlockRemoved([block_hash], group)
-        return events
+        """The events of group 0's blocks since the last call: the full-attention
+        layers (when the model has any), which a prefix hit needs whole, are what
+        a router indexes. Evictions of other groups' blocks (keyed ``(hash, group)``;
+        a hash is an int or bytes) are left out, as their stores are."""
+        return [event for event in self.block_pool.take_events()
+                if not (isinstance(event, BlockRemoved) and isinstance(event.block_hashes[0], tuple))]
 
     def check_consistency(self) -> None:
         """Assert block-state invariants (tests call this every step): the

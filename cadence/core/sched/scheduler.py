@@ -112,9 +112,6 @@ class Scheduler(OutputAbsorber):
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
-        if kv_cache_layout is not None and kv_cache_layout.is_hybrid and kv_connector is not None:
-            raise ValueError("kv_cache_layout: a KV connector moves one block table per request; "
-                             "KV cache groups need one group (kv_cache_groups off)")
         self.kv_cache_manager = make_kv_cache_manager(
             cache_config.num_gpu_blocks,
             cache_config.block_size,
