@@ -73,6 +73,31 @@ def test_a_tier_hit_loads_every_full_position_and_a_window_groups_window():
     assert_all_free(scheduler)
 
 
+def test_a_load_takes_no_block_a_window_group_would_not_read():
+    """20 blocks (19 usable): a 40-token tier hit would need 10 blocks in each
+    group if the window group took one for every loaded position; it takes the
+    2 its window reads at the load's end, so the request is admitted at all."""
+    scheduler, runner = tier_engine(num_blocks=20, budget=8)
+    prompt = prompt_of("a", 40)
+    streams = {}
+    drive(scheduler, runner, [new_request("a", prompt, max_tokens=3, ignore_eos=True)], streams)
+    kv = scheduler.kv_cache_manager
+    assert kv.reset_prefix_cache()  # only the tier holds the prefix now
+    longer = prompt + prompt_of("b", 5)
+    scheduler.add_request(new_request("b", longer, max_tokens=4, ignore_eos=True))
+    so = scheduler.schedule()  # the load is issued; the request waits for it
+    assert [len(orders) for orders in so.kv_connector_metadata.loads.values()] == [10 + 2]
+    full, window = kv.req_to_blocks["b"]
+    assert len(full) == len(window) == 10
+    assert window[:8] == [kv.null_block] * 8 and kv.null_block not in window[8:] + full
+    assert kv.num_owned_blocks == [10, 2]
+    for out in flatten(scheduler.update_from_output(so, runner.execute(so))):
+        streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+    drive(scheduler, runner, [], streams)
+    assert streams["b"] == greedy_stream(longer, 4)  # every read checked by the shadow cache
+    assert_all_free(scheduler)
+
+
 def test_swap_preemption_copies_each_groups_blocks_and_none_behind_a_window():
     # Two requests that outgrow 30 blocks together: one is swapped out and back
     # (prefix caching off: the tier holds swapped KV only, so every block is copied).

@@ -223,11 +223,16 @@ class HybridKVCacheManager:
         new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> GroupBlockIds | None:
         """Room for ``num_new_tokens`` (+ lookahead) in every group after the
         computed ones; window groups first free what fell behind their window.
-        The ids newly taken per group, or ``None`` (the pool cannot; only
-        blocks behind a window were freed)."""
+        The first ``num_external_computed_tokens`` of the new tokens are loaded
+        by a KV connector, not computed: a window group gets no block for an
+        entry its window no longer reads at the load's end (the null block
+        stands there, as the connector loads nothing into it). The ids newly
+        taken per group (the null block's among them), or ``None`` (the pool
+        cannot; only blocks behind a window were freed)."""
         req_id = request.request_id
         groups = self.req_to_blocks.get(req_id)
         if groups is None:
@@ -243,19 +248,29 @@ class HybridKVCacheManager:
         if new_computed_blocks is None and num_total <= len(groups[0]) * self.block_size:
             new_block_ids: GroupBlockIds = tuple([] for _ in range(self.num_groups))
         else:
-            taken = self._take_new_blocks(groups, num_total, new_computed_blocks)
+            loaded_end = None
+            if num_external_computed_tokens > 0:
+                loaded_end = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+            taken = self._take_new_blocks(groups, num_total, new_computed_blocks, loaded_end)
             if taken is None:
                 return None
             new_block_ids = taken
-            if new_computed_blocks is not None:
-                self._num_skipped[req_id] = sum(
-                    1 for b in groups[self._window_groups[0]] if b is self.null_block
-                ) if self._window_groups else 0
+            if self._window_groups and (new_computed_blocks is not None or loaded_end is not None):
+                self._num_skipped[req_id] = min(self._num_leading_nulls(groups[g]) for g in self._window_groups)
+                if loaded_end is not None:  # hits the window no longer reads at the load's end
+                    self._free_behind_window(req_id, groups, loaded_end)
         if self.enable_caching and not delay_cache_blocks:
             num_known = request.num_tokens if request.num_tokens < num_computed else num_computed
             if num_known // self.block_size > self.num_cached_blocks[req_id]:
                 self.cache_blocks(request, num_known)
         return new_block_ids
+
+    def _num_leading_nulls(self, blocks: list[KVCacheBlock]) -> int:
+        null = self.null_block
+        n = 0
+        while n < len(blocks) and blocks[n] is null:
+            n += 1
+        return n
 
     def free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
         """Free now what no window layer reads once ``num_computed_tokens`` are
@@ -288,30 +303,40 @@ class HybridKVCacheManager:
             self._num_skipped[req_id] = target
 
     def _take_new_blocks(
-        self, groups: GroupBlocks, num_total: int, hits: GroupBlocks | None
+        self, groups: GroupBlocks, num_total: int, hits: GroupBlocks | None, loaded_end: int | None = None
     ) -> GroupBlockIds | None:
+        """Append the hits, then new entries up to ``num_total`` tokens, to every
+        group; with ``loaded_end`` (the end of a connector's load), a window
+        group's new entries behind its window there are the null block."""
         if self.max_model_len is not None and num_total > self.max_model_len:
             num_total = self.max_model_len
         num_hits = len(hits[0]) if hits is not None else 0
-        num_new = -(-num_total // self.block_size) - len(groups[0]) - num_hits
+        num_new = max(0, -(-num_total // self.block_size) - len(groups[0]) - num_hits)
         null = self.null_block
         num_revived = 0
         if hits is not None:
             num_revived = sum(1 for blocks in hits for b in blocks if b.ref_cnt == 0 and b is not null)
-        if max(num_new, 0) * self.num_groups + num_revived > self.block_pool.num_free_blocks:
+        num_nulls = [0] * self.num_groups  # per group, leading new entries left null
+        if loaded_end is not None:
+            first_new = len(groups[0]) + num_hits
+            for g in self._window_groups:
+                first_read = self._first_needed_block(loaded_end, self._window_of[g])
+                num_nulls[g] = min(num_new, max(0, first_read - first_new))
+        if num_new * self.num_groups - sum(num_nulls) + num_revived > self.block_pool.num_free_blocks:
             return None
         if hits is not None:
             for g, blocks in enumerate(hits):
                 self._touch(g, [b for b in blocks if b is not null])
                 groups[g].extend(blocks)
-        if num_new <= 0:
+        if num_new == 0:
             return tuple([] for _ in range(self.num_groups))
         new_ids = []
-        for g in range(self.num_groups):
-            new_blocks = self.block_pool.get_new_blocks(num_new)
-            self.num_owned_blocks[g] += num_new
+        for g, num_null in enumerate(num_nulls):
+            new_blocks = self.block_pool.get_new_blocks(num_new - num_null)
+            self.num_owned_blocks[g] += num_new - num_null
+            groups[g].extend([null] * num_null)
             groups[g].extend(new_blocks)
-            new_ids.append([b.block_id for b in new_blocks])
+            new_ids.append([null.block_id] * num_null + [b.block_id for b in new_blocks])
         return tuple(new_ids)
 
     def _touch(self, group: int, blocks: list[KVCacheBlock]) -> None:

@@ -147,11 +147,14 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> list[int] | None:
         """Room for ``num_new_tokens`` (+ lookahead) after the computed ones.
 
         ``new_computed_blocks`` are prefix-cache hits covering
-        ``num_new_computed_tokens`` tokens beyond ``request.num_computed_tokens``.
+        ``num_new_computed_tokens`` tokens beyond ``request.num_computed_tokens``;
+        ``num_external_computed_tokens`` (the first of the new tokens, loaded by
+        a KV connector) changes nothing here: every layer reads every position.
         Returns the ids of the blocks newly taken from the pool (hits not
         included), or ``None`` when the pool cannot supply them, in which
         case nothing changed.

@@ -515,6 +515,9 @@ class Scheduler(OutputAbsorber):
         new_block_ids = kv.allocate_slots(
             request, num_new + num_external, num_local, hits,
             num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=True,
+            # (what a window group must hold follows where the load leaves the request)
+            num_external_computed_tokens=max(
+                0, self._computed_after_load(request, num_computed) - num_computed + num_external),
         )
         if new_block_ids is None:
             plan.drop_encoder_inputs(request, self.encoder_cache_manager)
@@ -592,6 +595,16 @@ class Scheduler(OutputAbsorber):
         loads[request.request_id] = (num_computed, request.status)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
 
+    def _computed_after_load(self, request: Request, num_loaded: int) -> int:
+        """Tokens computed once a load up to ``num_loaded`` lands."""
+        # Keep at least one token to compute, so the request gets logits.
+        num_computed = min(num_loaded, request.num_tokens - 1)
+        if request.fork_point is not None:
+            # A parent forks after a step of its own: as with local hits, it
+            # computes (again) the block before its fork point.
+            num_computed = min(num_computed, request.fork_point - self.block_size)
+        return num_computed
+
     def _finish_remote_kv_load(self, request: Request) -> None:
         """Blocks loaded by the connector become the request's computed prefix.
 
@@ -603,12 +616,7 @@ class Scheduler(OutputAbsorber):
         # Back from a swap: still preempted, so the runner resumes its state.
         request.status = status
         kv = self.kv_cache_manager
-        # Keep at least one token to compute, so the request gets logits.
-        num_computed = min(num_loaded, request.num_tokens - 1)
-        if request.fork_point is not None:
-            # A parent forks after a step of its own: as with local hits, it
-            # computes (again) the block before its fork point.
-            num_computed = min(num_computed, request.fork_point - self.block_size)
+        num_computed = self._computed_after_load(request, num_loaded)
         # A window group got only what its window reads at the load's end: the
         # entries before it (never written) go before anything enters the prefix cache.
         kv.free_behind_window(request, num_computed)
