@@ -39,8 +39,8 @@ from cadence.core.outputs import PrefixCacheStats
 from cadence.core.sched.kv_connector import KVConnectorBase, KVConnectorContext
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache import Blocks
     from cadence.config import KVTransferConfig
-    from cadence.core.kv_cache.block_pool import KVCacheBlock
     from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.outputs import KVConnectorOutput
     from cadence.core.request import Request
@@ -259,7 +259,7 @@ class OffloadingConnector(KVConnectorBase):
                    for i in range(max(first, self._first_read(g, num_tokens)), last))
 
     def update_state_after_alloc(
-        self, request: "Request", blocks: "list[KVCacheBlock]", num_external_tokens: int
+        self, request: "Request", blocks: "Blocks", num_external_tokens: int
     ) -> None:
         """Plan the loads of the matched slots into the blocks just allocated."""
         req_id = request.request_id

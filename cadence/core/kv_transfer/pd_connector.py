@@ -41,9 +41,9 @@ from cadence.core.request import RequestStatus
 from cadence.core.sched.kv_connector import KVConnectorBase
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache import BlockIds, Blocks
     from cadence.config import KVTransferConfig
     from cadence.core.kv_cache import AnyKVCacheManager
-    from cadence.core.kv_cache.block_pool import KVCacheBlock
     from cadence.core.request import Request
     from cadence.core.sched.kv_connector import KVConnectorContext
     from cadence.core.sched.output import SchedulerOutput
@@ -206,7 +206,7 @@ class PDConnectorScheduler(KVConnectorBase):
     def would_load_async(self, request: "Request", num_computed_tokens: int) -> bool:
         return self._matches(request) and request.num_prompt_tokens - num_computed_tokens > 1
 
-    def update_state_after_alloc(self, request: "Request", blocks: "list[KVCacheBlock]",
+    def update_state_after_alloc(self, request: "Request", blocks: "Blocks",
                                  num_external_tokens: int) -> None:
         params = self._remote_prefill(request)
         if params is None:
@@ -293,7 +293,7 @@ class PDConnectorScheduler(KVConnectorBase):
 
     # ------------------------------------------------------------ prefill side
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: "Request", block_ids: "BlockIds"
                          ) -> tuple[bool, dict[str, Any] | None]:
         unasked = self._remote_prefill(request)
         if unasked is not None:

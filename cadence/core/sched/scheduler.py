@@ -536,7 +536,7 @@ class Scheduler(OutputAbsorber):
         """(local cache hits, their token count, external tokens, async load?)."""
         if request.num_computed_tokens > 0:
             # Its KV is already in place (a forked child, or an async load that finished).
-            return [], 0, 0, False
+            return None, 0, 0, False
         hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
         if request.fork_point is not None:
             # A parent must compute something before it forks.
