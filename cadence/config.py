@@ -268,8 +268,9 @@ class CacheConfig:
         True, "Layers that share an attention type share a block table, and sliding-window "
               "layers free the blocks behind their window (vLLM's hybrid KV cache manager), so a "
               "model with windows (Gemma 2/3, Mistral) holds more sequences in the same memory; "
-              "off: every layer keeps the whole context. On the CPU, without a KV connector or "
-              "KV cache events, with tensor_parallel_size 1; elsewhere one group, logged."
+              "off: every layer keeps the whole context. The host tier, swap, P/D and KV cache "
+              "events follow each group's blocks. On the CPU with tensor_parallel_size 1; "
+              "elsewhere one group, logged."
     )
 
     def __post_init__(self) -> None:

@@ -122,8 +122,6 @@ def _kv_cache_layout(options: EngineOptions, model_config: ModelConfig, schedule
         return None
     reasons = [why for why, applies in (
         ("kv_cache_groups off", not options.cache.kv_cache_groups),
-        ("a KV connector (host tier, P/D) moves one block table per request", options.kv_transfer is not None),
-        ("KV cache events name blocks of one table", options.cache.enable_kv_cache_events),
         (setup.one_kv_cache_group_reason, setup.one_kv_cache_group_reason is not None),
         ("tensor-parallel ranks build one table", options.parallel.tensor_parallel_size > 1),
     ) if applies]

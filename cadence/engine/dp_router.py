@@ -70,10 +70,13 @@ class PrefixIndex:
 
     def absorb(self, rank: int, events: Iterable[KVCacheEvent]) -> None:
         for event in events:
+            # Group 0 only (with KV cache groups: the full-attention layers, which a hit needs whole).
             if isinstance(event, BlockStored):
-                self._store(rank, event)
+                if not event.group:
+                    self._store(rank, event)
             elif isinstance(event, BlockRemoved):
-                self._remove(rank, event.block_hashes)
+                if not event.group:
+                    self._remove(rank, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.forget(rank)
 

@@ -277,13 +277,16 @@ class RooflineCostModel:
         free = hardware.kv_cache_bytes
         if free is None:
             free = hardware.mem_capacity * hardware.kv_memory_fraction - self.weight_bytes
-        layout = self.kv_cache_layout()
-        layers = self.model.num_layers if layout is None else layout.layers_per_group
-        block_bytes = block_size * self.kv_bytes_per_token * layers / self.model.num_layers
-        num_blocks = int(free // block_bytes)
+        num_blocks = int(free // self.kv_block_bytes(block_size))
         if num_blocks < 1:
             raise ValueError(f"{self.name}: the weights leave no memory for a KV block")
         return num_blocks
+
+    def kv_block_bytes(self, block_size: int) -> float:
+        """Bytes of one block of the cache: every layer's, or one group's page."""
+        layout = self.kv_cache_layout()
+        layers = self.model.num_layers if layout is None else layout.layers_per_group
+        return block_size * self.kv_bytes_per_token * layers / self.model.num_layers
 
     def with_kv_cache(self, kv_cache_dtype: str, groups: bool) -> "RooflineCostModel":
         return RooflineCostModel(self.hardware, self.model, kv_cache_dtype=kv_cache_dtype, kv_cache_groups=groups)

@@ -166,8 +166,8 @@ class PDFleet:
         self.bytes_per_second = link_bytes_per_second(link)
         if not transfer_latency_s >= 0:
             raise ValueError(f"transfer_latency_s: must be >= 0, got {transfer_latency_s!r}")
-        if hasattr(cost_model, "with_kv_cache"):  # the cache's width; one group beside a connector
-            cost_model = cost_model.with_kv_cache(cache_config.kv_cache_dtype, False)
+        if hasattr(cost_model, "with_kv_cache"):  # the cache's width, and its groups
+            cost_model = cost_model.with_kv_cache(cache_config.kv_cache_dtype, cache_config.kv_cache_groups)
         kv_bytes_per_token = getattr(cost_model, "kv_bytes_per_token", None)
         if kv_bytes_per_token is None:
             raise ValueError("pd_link: pricing the pulls needs a roofline cost model "
@@ -175,6 +175,9 @@ class PDFleet:
         self.link = link
         self.transfer_latency_s = transfer_latency_s
         self.kv_bytes_per_token = kv_bytes_per_token
+        # With KV cache groups a pull moves pages of one group's layers each (None: one group).
+        layout = cost_model.kv_cache_layout() if hasattr(cost_model, "kv_cache_layout") else None
+        self.page_bytes = None if layout is None else cost_model.kv_block_bytes(cache_config.block_size)
         self.routing = routing
         if routing == "cache_aware":  # the routers learn what each replica caches from its events
             cache_config = replace(cache_config, enable_kv_cache_events=True)
@@ -205,7 +208,8 @@ class PDFleet:
             def connector(cache: CacheConfig):
                 context = KVConnectorContext(
                     block_size=cache.block_size, num_blocks=cache.num_gpu_blocks,
-                    bytes_per_block=cache.block_size * self.kv_bytes_per_token, kv_role=role)
+                    bytes_per_block=int(self.page_bytes or cache.block_size * self.kv_bytes_per_token),
+                    kv_role=role)
                 return make_kv_connector_scheduler(config, context), pulls
 
             simulator = Simulator(scheduler_config, cache_config, cost_model,
@@ -365,8 +369,11 @@ class PDFleet:
             self._release_hold(now, prefill_rank, load.remote_request_id)
             return
         prompt_tokens = self.decodes[decode_rank].core.scheduler.get_request(load.req_id).num_prompt_tokens
-        first_block = math.ceil(prompt_tokens / self.block_size) - len(load.local_block_ids)
-        num_bytes = (prompt_tokens - first_block * self.block_size) * self.kv_bytes_per_token
+        if self.page_bytes is not None:  # every group's pages (a window group's window only)
+            num_bytes = len(load.local_block_ids) * self.page_bytes
+        else:
+            first_block = math.ceil(prompt_tokens / self.block_size) - len(load.local_block_ids)
+            num_bytes = (prompt_tokens - first_block * self.block_size) * self.kv_bytes_per_token
         seconds = num_bytes / self.bytes_per_second
         pair = (prefill_rank, decode_rank)
         begin = max(now, self._link_free_at.get(pair, 0.0))

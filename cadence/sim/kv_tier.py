@@ -55,14 +55,14 @@ def make_tier_connector(
     tier: SimKVTier, cost_model: CostModel, block_size: int, num_blocks: int
 ) -> OffloadingConnector:
     """The scheduler's connector for ``tier`` on the modelled machine."""
-    kv_bytes_per_token = getattr(cost_model, "kv_bytes_per_token", None)
-    if kv_bytes_per_token is None:
+    kv_block_bytes = getattr(cost_model, "kv_block_bytes", None)
+    if kv_block_bytes is None:
         raise ValueError("kv_offload_size: the simulator's tier needs a roofline cost model "
                          "(it reads the KV bytes per token from the model's shape)")
     n = _RECOMPUTE_PRICE_TOKENS
     prefill = StepShape(n, 1, n, n * (n + 1) // 2)
     context = KVConnectorContext(
-        block_size=block_size, num_blocks=num_blocks, bytes_per_block=block_size * kv_bytes_per_token,
+        block_size=block_size, num_blocks=num_blocks, bytes_per_block=int(kv_block_bytes(block_size)),  # one group's page with groups
         seconds_per_token=cost_model.step_seconds(prefill) / n,
         copy_bytes_per_second=tier.bytes_per_second, preemption_mode=tier.preemption_mode)
     return OffloadingConnector(KVTransferConfig(kv_offload_size=tier.offload_gib), context)

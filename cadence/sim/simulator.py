@@ -339,9 +339,9 @@ class Simulator:
         step plans cost on the runner (a P/D fleet's, ``cadence.sim.disaggregation``)."""
         if kv_tier is not None and kv_connector is not None:
             raise ValueError("kv_offload_size: the host tier and another KV connector cannot be combined")
-        # The cache's width and the engine's KV cache groups (one group beside a KV connector,
-        # as the engine keeps it): a model that cannot price them keeps the model's dtype.
-        groups = cache_config.kv_cache_groups and kv_tier is None and kv_connector is None
+        # The cache's width and the engine's KV cache groups (the tier, P/D and KV cache
+        # events follow each group's blocks): a model that cannot price them keeps the model's dtype.
+        groups = cache_config.kv_cache_groups
         if hasattr(cost_model, "with_kv_cache"):
             cost_model = cost_model.with_kv_cache(cache_config.kv_cache_dtype, groups)
         elif cache_config.kv_cache_dtype != "auto":

@@ -4,8 +4,9 @@ shadow-KV oracle (``FakeRunner(check_kv=True)``).
 One workload draws a scheduler configuration (policy: fcfs, priority, fair, slo, lpm; budgets, chunking and
 thresholds, partial-prefill caps, blocked bypass, prefix caching, speculative
 tokens with wrong drafts or async scheduling, a host-memory tier with
-recompute, swap or auto preemption and failing loads; or KV cache groups with
-sliding windows, whose blocks behind the window are freed) and requests (shared
+recompute, swap or auto preemption and failing loads; KV cache groups with
+sliding windows, whose blocks behind the window are freed, with or without
+the tier, and under P/D) and requests (shared
 prefixes, priorities, clients, latency targets, ``n > 1``, grammars, aborts
 at random steps). The driver steps the real ``Scheduler`` and checks, every
 step, what each scheduled request reads from the KV cache; at the end, every
@@ -255,13 +256,12 @@ def workloads(draw, max_requests: int = 10) -> Workload:
     tier_slots = draw(st.sampled_from([0, 0, 8, 64]))
     failing = frozenset(r["id"] for r in requests if draw(st.integers(0, 3)) == 0)
     layout = None
-    if not tier_slots:  # (a connector moves one table per request: no groups with a tier)
-        window = draw(st.sampled_from([None, None, 1, 3, 5, 9]))
-        num_layers, full_layers = draw(st.sampled_from([(2, (1,)), (3, (2,)), (2, ())]))
-        if window is not None:
-            layout = plan_kv_cache_layout(num_layers, window, full_layers)
-            # Each group takes its blocks from the one pool, and one is the null block.
-            sched["num_gpu_blocks"] = sched["num_gpu_blocks"] * layout.num_groups + 1
+    window = draw(st.sampled_from([None, None, 1, 3, 5, 9]))
+    num_layers, full_layers = draw(st.sampled_from([(2, (1,)), (3, (2,)), (2, ())]))
+    if window is not None:
+        layout = plan_kv_cache_layout(num_layers, window, full_layers)
+        # Each group takes its blocks from the one pool, and one is the null block.
+        sched["num_gpu_blocks"] = sched["num_gpu_blocks"] * layout.num_groups + 1
     return Workload(
         requests=requests, scheduler=sched, num_spec=num_spec,
         draft_accuracy=draw(st.integers(0, 3)), tier_slots=tier_slots,
@@ -470,7 +470,7 @@ def _pd_scheduler(w: Workload, role: str, clock):
     return new_scheduler(
         block_size=BLOCK_SIZE, max_model_len=256, log_stats=True, clock=clock,
         speculative_config=spec if role == CONSUMER else None, kv_connector=connector,
-        structured_output_manager=manager, **w.scheduler)
+        structured_output_manager=manager, kv_cache_layout=w.layout, **w.scheduler)
 
 
 def run_pd_workload(w: Workload, max_steps: int = 3000) -> OracleRun:
@@ -489,7 +489,9 @@ def run_pd_workload(w: Workload, max_steps: int = 3000) -> OracleRun:
         return False
 
     drafter = make_drafter(w.num_spec, w.draft_accuracy) if w.num_spec else None
-    p_runner, c_runner = OracleRunner(), OracleRunner(draft_fn=drafter)
+    windows = None if w.layout is None else w.layout.sliding_windows
+    p_runner = OracleRunner(sliding_windows=windows)
+    c_runner = OracleRunner(draft_fn=drafter, sliding_windows=windows)
     PDWorkers(p_runner, c_runner, fail_load)
     by_id = {r["id"]: r for r in w.requests}
     pending = sorted(w.requests, key=lambda r: r["arrival_step"])
@@ -542,8 +544,8 @@ def run_pd_workload(w: Workload, max_steps: int = 3000) -> OracleRun:
 
 
 def pd_workload(w: Workload) -> Workload:
-    """``w`` as P/D runs it: no host tier (one connector per engine), one KV
-    cache group, no async scheduling (the P/D driver steps both engines in turn)."""
+    """``w`` as P/D runs it: no host tier (one connector per engine), no async
+    scheduling (the P/D driver steps both engines in turn); its KV cache groups
+    on both engines."""
     scheduler = {k: v for k, v in w.scheduler.items() if k != "async_scheduling"}
-    return dataclasses.replace(w, scheduler=scheduler, tier_slots=0, preemption_mode="recompute",
-                               layout=None)  # (a connector moves one table per request)
+    return dataclasses.replace(w, scheduler=scheduler, tier_slots=0, preemption_mode="recompute")

@@ -9,11 +9,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from cadence.core.kv_cache import HybridKVCacheManager, KVCacheManager, plan_kv_cache_layout
+from cadence.core.kv_cache import BlockRemoved, HybridKVCacheManager, KVCacheManager, plan_kv_cache_layout
+from cadence.core.kv_cache.hashing import ROOT_HASH
 from cadence.core.request import RequestStatus
 from cadence.core.testing import (
     FakeRunner, all_blocks_free, flatten, greedy_stream, new_request, new_scheduler,
 )
+from cadence.engine.dp_router import PrefixIndex
 from tests.core.kv_oracle import expected_streams, run_workload, workloads
 
 BS = 4
@@ -108,6 +110,28 @@ def test_a_prefix_hit_needs_only_the_window_in_a_window_group():
     kv.check_consistency()
     kv.free(second)
     kv.check_consistency()
+
+
+def test_kv_cache_events_tell_group_0s_blocks_what_a_router_indexes():
+    kv = HybridKVCacheManager(9, BS, 256, sliding_windows=(None, 8), enable_kv_cache_events=True)
+    request = new_request("a", list(range(100, 112)), max_tokens=1)
+    _advance(kv, request, 12)  # registers its 3 full blocks in both groups
+    stored = kv.take_events()
+    hashes = request.block_hashes
+    assert [e.block_hashes for e in stored] == [[hashes[i]] for i in range(3)]
+    assert [e.parent_block_hash for e in stored] == [ROOT_HASH, hashes[0], hashes[1]]
+    assert stored[1].token_ids == list(range(104, 108)) and stored[1].block_size == BS
+    kv.free(request)
+    # Eight usable blocks, six cached-free: a new request of 8 blocks evicts them all
+    # (and stores its own); group 1's evictions are not told.
+    _advance(kv, new_request("b", list(range(200, 216)), max_tokens=1), 16)
+    removed = [e for e in kv.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted(e.block_hashes[0] for e in removed) == sorted(hashes[:3])
+    index = PrefixIndex(1, BS)
+    index.absorb(0, stored)
+    assert index.num_held_blocks(0) == 3
+    index.absorb(0, removed)
+    assert index.num_held_blocks(0) == 0
 
 
 def test_window_groups_admit_more_long_requests_than_one_full_group():

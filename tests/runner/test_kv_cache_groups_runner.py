@@ -117,3 +117,33 @@ def test_speculative_verification_rows_read_each_groups_table(model):
     got, _ = run(build(model, True, "one-call", num_speculative_tokens=3)[0])
     expected, _ = run(build(model, False, "one-call", num_speculative_tokens=3)[0])
     assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_host_tier_and_swap_move_each_groups_blocks(model, mode):
+    """A cache that holds the longest request alone (60 blocks: its full group
+    needs 28, each window group 10): requests are preempted (swapped out and back,
+    or recomputed), and the tier brings back prefixes the cache dropped; the tokens
+    equal one full group's without a tier."""
+    options = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4, max_model_len=256,
+                   max_num_batched_tokens=24, max_num_seqs=4)
+    log = io.StringIO()
+    grouped = assemble_engine(
+        EngineOptions.from_kwargs(num_gpu_blocks=60, kv_cache_groups=True, kv_offload_size=0.001,
+                                  preemption_mode=mode, **options),
+        model, model.config, None, log=log)
+    assert "4 KV cache groups of 1 layers" in log.getvalue()
+    plain = assemble_engine(EngineOptions.from_kwargs(num_gpu_blocks=200, kv_cache_groups=False, **options),
+                            model, model.config, None, log=io.StringIO())
+    got, _ = run(grouped)
+    expected, _ = run(plain)
+    assert got == expected
+    scheduler = grouped.core.scheduler
+    assert scheduler.num_preemptions_total > 0
+    worker = grouped.core.runner.kv_connector
+    assert worker.num_blocks_loaded > 0 and worker.num_load_errors == 0
+    if mode == "swap":
+        assert scheduler.num_swapped_preemptions_total > 0
+    tier = scheduler.get_kv_connector().tier
+    tier.check_consistency()
+    assert tier.pins == {}

@@ -4,7 +4,8 @@ copies are charged at the link's bandwidth."""
 import pytest
 
 from cadence.config import CacheConfig, SchedulerConfig
-from cadence.sim.cost_model import make_cost_model
+from cadence.core.kv_cache import HybridKVCacheManager
+from cadence.sim.cost_model import ModelShape, RooflineCostModel, make_cost_model
 from cadence.sim.kv_tier import COPY_LINKS, SimKVTier
 from cadence.sim.simulator import Simulator
 from cadence.sim.workload import SyntheticWorkload
@@ -40,6 +41,28 @@ def test_swap_preemption_computes_fewer_tokens_than_recompute(link):
     assert swap_sim.scheduler.kv_cache_manager.num_free_blocks == 512
     swap_sim.connector.tier.check_consistency()
     assert swap_sim.connector.tier.pins == {}
+
+
+def test_a_windowed_models_tier_moves_one_groups_pages():
+    """Gemma-3-shaped (18 layers, every 6th global, window 512): six groups of three
+    layers, a tier slot is one group's page, and swaps and tier hits run per group
+    with nothing leaked."""
+    shape = ModelShape(num_params=270_000_000, num_layers=18, num_heads=4, head_dim=256, num_kv_heads=1,
+                       sliding_window=512, full_attention_layers=(5, 11, 17))
+    model = RooflineCostModel(H100.hardware, shape)
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096)
+    specs = SyntheticWorkload(num_requests=40, rate=0, prompt_len="uniform:600:1500", output_len="uniform:64:256",
+                              prefix_groups=4, prefix_fraction=1.0, prefix_tokens=512, seed=3).generate()
+    simulator = Simulator(config, CacheConfig(num_gpu_blocks=600), model, kv_tier=SimKVTier(1, "pcie", "swap"))
+    simulator.run(specs)
+    kv = simulator.scheduler.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager) and kv.num_groups == 6
+    assert simulator.connector.context.bytes_per_block == 16 * model.kv_bytes_per_token * 3 // 18
+    assert simulator.scheduler.num_swapped_preemptions_total > 0
+    assert simulator.connector.num_hit_tokens > 0
+    assert kv.num_free_blocks == 599
+    simulator.connector.tier.check_consistency()
+    assert simulator.connector.tier.pins == {}
 
 
 def test_bad_tier_options_are_refused_by_name():

@@ -15,10 +15,12 @@ from cadence.core.kv_cache.manager import KVCacheManager
 AnyKVCacheManager = Any
 # A request's block ids as the runner gets them: one list, or one list per group.
 BlockIds = list[int] | tuple[list[int], ...]
+# A request's blocks: one list, or one per KV cache group.
+Blocks = list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]
 
 __all__ = [
     "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "FreeBlockQueue",
-    "AnyKVCacheManager", "BlockIds", "HybridKVCacheManager", "KVCacheBlock", "KVCacheGroup", "KVCacheLayout", "KVCacheManager",
+    "AnyKVCacheManager", "BlockIds", "Blocks", "HybridKVCacheManager", "KVCacheBlock", "KVCacheGroup", "KVCacheLayout", "KVCacheManager",
     "make_kv_cache_manager", "plan_kv_cache_layout", "single_group",
 ]
 

@@ -235,6 +235,11 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
+    def record_event(self, event: KVCacheEvent) -> None:
+        """An event its owner made (the hybrid manager registers blocks itself)."""
+        if self.enable_events:
+            self._events.append(event)
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

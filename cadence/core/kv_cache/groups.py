@@ -23,6 +23,7 @@ layer ``l`` is slot ``layer_slot[l]`` of its group's pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,20 @@ def blocks_per_request(
     full = -(-num_tokens // block_size)
     window_cap = lambda w: -(-(w - 1 + max_num_batched_tokens) // block_size) + 1  # noqa: E731
     return sum(full if w is None else min(full, window_cap(w)) for w in sliding_windows)
+
+
+def first_entry_in_window(num_tokens: int, window: int, block_size: int) -> int:
+    """The first block position a query at position ``num_tokens`` reads in a
+    group of window ``window``: every block wholly before its first visible key
+    (``num_tokens - window + 1``) is behind the window."""
+    first_key = num_tokens - window + 1
+    return first_key // block_size if first_key > 0 else 0
+
+
+def as_groups(blocks: Any) -> tuple[list[Any], ...]:
+    """A request's blocks (or block ids) per group: the hybrid manager gives a
+    tuple of lists, the plain one a list (one group)."""
+    return blocks if isinstance(blocks, tuple) else (blocks,)
 
 
 def single_group(num_layers: int) -> KVCacheLayout:

@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from cadence.core.kv_cache.groups import blocks_per_request
-from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, extend_block_hashes
+from cadence.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from cadence.core.kv_cache.groups import blocks_per_request, first_entry_in_window
+from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, ROOT_HASH, extend_block_hashes
 from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
@@ -54,9 +55,6 @@ class HybridKVCacheManager:
         enable_kv_cache_events: bool = False,
         log_stats: bool = False,
     ) -> None:
-        if enable_kv_cache_events:
-            raise ValueError("enable_kv_cache_events: not recorded for KV cache groups "
-                             "(one group: kv_cache_groups off)")
         if num_blocks < 2:
             raise ValueError("num_blocks: KV cache groups need >= 2 blocks (one is the null block)")
         if any(w is not None and w < 1 for w in sliding_windows):
@@ -66,7 +64,9 @@ class HybridKVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_windows = tuple(sliding_windows)
         self.num_groups = len(sliding_windows)
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching,
+                                    enable_events=enable_kv_cache_events)
+        self.enable_kv_cache_events = enable_kv_cache_events
         self.null_block = self.block_pool.free_queue.popleft()  # block 0
         self.null_block.ref_cnt = 1  # held for ever: never free, never cached
         self._hash_fn = BLOCK_HASH_FNS[hash_algo]
@@ -207,8 +207,7 @@ class HybridKVCacheManager:
 
     def _first_needed_block(self, num_computed: int, window: int) -> int:
         """Entries wholly before the first key the next query (at ``num_computed``) sees."""
-        first_key = num_computed - window + 1
-        return first_key // self.block_size if first_key > 0 else 0
+        return first_entry_in_window(num_computed, window, self.block_size)
 
     def _window_held(self, blocks: list[KVCacheBlock], num_blocks: int, window: int) -> bool:
         first = self._first_needed_block(num_blocks * self.block_size, window)
@@ -224,11 +223,16 @@ class HybridKVCacheManager:
         new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> GroupBlockIds | None:
         """Room for ``num_new_tokens`` (+ lookahead) in every group after the
         computed ones; window groups first free what fell behind their window.
-        The ids newly taken per group, or ``None`` (the pool cannot; only
-        blocks behind a window were freed)."""
+        The first ``num_external_computed_tokens`` of the new tokens are loaded
+        by a KV connector, not computed: a window group gets no block for an
+        entry its window no longer reads at the load's end (the null block
+        stands there, as the connector loads nothing into it). The ids newly
+        taken per group (the null block's among them), or ``None`` (the pool
+        cannot; only blocks behind a window were freed)."""
         req_id = request.request_id
         groups = self.req_to_blocks.get(req_id)
         if groups is None:
@@ -239,24 +243,43 @@ class HybridKVCacheManager:
             self._free_behind_window(req_id, groups, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_total = num_computed + num_lookahead_tokens
-        if new_computed_blocks is not None and not new_computed_blocks[0]:
-            new_computed_blocks = None
+        if new_computed_blocks is not None and not (new_computed_blocks and new_computed_blocks[0]):
+            new_computed_blocks = None  # no hits
         if new_computed_blocks is None and num_total <= len(groups[0]) * self.block_size:
             new_block_ids: GroupBlockIds = tuple([] for _ in range(self.num_groups))
         else:
-            taken = self._take_new_blocks(groups, num_total, new_computed_blocks)
+            loaded_end = None
+            if num_external_computed_tokens > 0:
+                loaded_end = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+            taken = self._take_new_blocks(groups, num_total, new_computed_blocks, loaded_end)
             if taken is None:
                 return None
             new_block_ids = taken
-            if new_computed_blocks is not None:
-                self._num_skipped[req_id] = sum(
-                    1 for b in groups[self._window_groups[0]] if b is self.null_block
-                ) if self._window_groups else 0
+            if self._window_groups and (new_computed_blocks is not None or loaded_end is not None):
+                self._num_skipped[req_id] = min(self._num_leading_nulls(groups[g]) for g in self._window_groups)
+                if loaded_end is not None:  # hits the window no longer reads at the load's end
+                    self._free_behind_window(req_id, groups, loaded_end)
         if self.enable_caching and not delay_cache_blocks:
             num_known = request.num_tokens if request.num_tokens < num_computed else num_computed
             if num_known // self.block_size > self.num_cached_blocks[req_id]:
                 self.cache_blocks(request, num_known)
         return new_block_ids
+
+    def _num_leading_nulls(self, blocks: list[KVCacheBlock]) -> int:
+        null = self.null_block
+        n = 0
+        while n < len(blocks) and blocks[n] is null:
+            n += 1
+        return n
+
+    def free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
+        """Free now what no window layer reads once ``num_computed_tokens`` are
+        computed: a connector's load jumps the request ahead, and loads into a
+        window group only what its window reads at the load's end, so the entries
+        before it are never written and must not enter the prefix cache."""
+        groups = self.req_to_blocks.get(request.request_id)
+        if groups is not None and self._window_groups:
+            self._free_behind_window(request.request_id, groups, num_computed_tokens)
 
     def _free_behind_window(self, req_id: str, groups: GroupBlocks, num_computed: int) -> None:
         """Replace the entries no window layer reads any more by the null block."""
@@ -280,30 +303,40 @@ class HybridKVCacheManager:
             self._num_skipped[req_id] = target
 
     def _take_new_blocks(
-        self, groups: GroupBlocks, num_total: int, hits: GroupBlocks | None
+        self, groups: GroupBlocks, num_total: int, hits: GroupBlocks | None, loaded_end: int | None = None
     ) -> GroupBlockIds | None:
+        """Append the hits, then new entries up to ``num_total`` tokens, to every
+        group; with ``loaded_end`` (the end of a connector's load), a window
+        group's new entries behind its window there are the null block."""
         if self.max_model_len is not None and num_total > self.max_model_len:
             num_total = self.max_model_len
         num_hits = len(hits[0]) if hits is not None else 0
-        num_new = -(-num_total // self.block_size) - len(groups[0]) - num_hits
+        num_new = max(0, -(-num_total // self.block_size) - len(groups[0]) - num_hits)
         null = self.null_block
         num_revived = 0
         if hits is not None:
             num_revived = sum(1 for blocks in hits for b in blocks if b.ref_cnt == 0 and b is not null)
-        if max(num_new, 0) * self.num_groups + num_revived > self.block_pool.num_free_blocks:
+        num_nulls = [0] * self.num_groups  # per group, leading new entries left null
+        if loaded_end is not None:
+            first_new = len(groups[0]) + num_hits
+            for g in self._window_groups:
+                first_read = self._first_needed_block(loaded_end, self._window_of[g])
+                num_nulls[g] = min(num_new, max(0, first_read - first_new))
+        if num_new * self.num_groups - sum(num_nulls) + num_revived > self.block_pool.num_free_blocks:
             return None
         if hits is not None:
             for g, blocks in enumerate(hits):
                 self._touch(g, [b for b in blocks if b is not null])
                 groups[g].extend(blocks)
-        if num_new <= 0:
+        if num_new == 0:
             return tuple([] for _ in range(self.num_groups))
         new_ids = []
-        for g in range(self.num_groups):
-            new_blocks = self.block_pool.get_new_blocks(num_new)
-            self.num_owned_blocks[g] += num_new
+        for g, num_null in enumerate(num_nulls):
+            new_blocks = self.block_pool.get_new_blocks(num_new - num_null)
+            self.num_owned_blocks[g] += num_new - num_null
+            groups[g].extend([null] * num_null)
             groups[g].extend(new_blocks)
-            new_ids.append([b.block_id for b in new_blocks])
+            new_ids.append([null.block_id] * num_null + [b.block_id for b in new_blocks])
         return tuple(new_ids)
 
     def _touch(self, group: int, blocks: list[KVCacheBlock]) -> None:
@@ -329,6 +362,7 @@ class HybridKVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         cached, null, key = self.block_pool.cached_blocks, self.null_block, self._key
+        record = self.block_pool.record_event if self.enable_kv_cache_events else None
         for g, blocks in enumerate(groups):
             for i in range(first, num_full):
                 block = blocks[i]
@@ -339,7 +373,16 @@ class HybridKVCacheManager:
                     continue  # an equal block is cached; this one stays anonymous
                 block.block_hash = block_key
                 cached[block_key] = block
+                if record is not None and g == 0:
+                    record(self._stored_event(request, hashes, i))
         self.num_cached_blocks[req_id] = num_full
+
+    def _stored_event(self, request: Request, hashes: list[Any], index: int) -> BlockStored:
+        """Block ``index`` of group 0 entered the prefix cache."""
+        size = self.block_size
+        token_ids = request.all_token_ids[index * size:(index + 1) * size]
+        parent = hashes[index - 1] if index else ROOT_HASH
+        return BlockStored([hashes[index]], parent, token_ids, len(token_ids), request.extra_hash_key)
 
     def block_hashes_of(self, request: Request, num_blocks: int) -> list[Any]:
         return self._block_hashes(request, num_blocks)
@@ -376,6 +419,7 @@ class HybridKVCacheManager:
         for block in pool.cached_blocks.values():
             block.block_hash = None
         pool.cached_blocks.clear()
+        pool.record_event(AllBlocksCleared())
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return True
@@ -402,8 +446,13 @@ class HybridKVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    def take_events(self) -> list:
-        return []
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events of group 0's blocks since the last call: the full-attention
+        layers (when the model has any), which a prefix hit needs whole, are what
+        a router indexes. Evictions of other groups' blocks (keyed ``(hash, group)``;
+        a hash is an int or bytes) are left out, as their stores are."""
+        return [event for event in self.block_pool.take_events()
+                if not (isinstance(event, BlockRemoved) and isinstance(event.block_hashes[0], tuple))]
 
     def check_consistency(self) -> None:
         """Assert block-state invariants (tests call this every step): the

@@ -147,11 +147,14 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_external_computed_tokens: int = 0,
     ) -> list[int] | None:
         """Room for ``num_new_tokens`` (+ lookahead) after the computed ones.
 
         ``new_computed_blocks`` are prefix-cache hits covering
-        ``num_new_computed_tokens`` tokens beyond ``request.num_computed_tokens``.
+        ``num_new_computed_tokens`` tokens beyond ``request.num_computed_tokens``;
+        ``num_external_computed_tokens`` (the first of the new tokens, loaded by
+        a KV connector) changes nothing here: every layer reads every position.
         Returns the ids of the blocks newly taken from the pool (hits not
         included), or ``None`` when the pool cannot supply them, in which
         case nothing changed.
@@ -212,6 +215,10 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         return [block.block_id for block in new_blocks]
+
+    def free_behind_window(self, request: Request, num_computed_tokens: int) -> None:
+        """Nothing: every layer of this cache reads the whole context (the hybrid
+        manager frees a window group's blocks behind its window here)."""
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks up to ``num_computed_tokens`` in the prefix cache."""

@@ -18,6 +18,12 @@ The kv_transfer_params (vLLM's names):
   ``remote_block_size`` and ``remote_prompt_digest`` (what the blocks hold:
   a decode request whose prompt differs computes its prompt itself instead).
 
+KV cache groups (``cadence.core.kv_cache.groups``): ``remote_block_ids`` is
+then one list per group (vLLM sends one per KV cache group too), and a decode
+engine pulls, in a window group, only the positions its window reads once the
+prompt is loaded; the two engines must group their layers alike (the same
+model and options do), else the decode engine computes the prompt itself.
+
 The worker side (``cadence.runner.kv_transfer.pd_worker``) reads the
 ``PDConnectorMetadata`` of each step: blocks to hold for sending, loads to
 start, peers to tell that their blocks are not needed.
@@ -30,12 +36,14 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from cadence.core.kv_cache.groups import as_groups, first_entry_in_window
 from cadence.core.request import RequestStatus
 from cadence.core.sched.kv_connector import KVConnectorBase
 
 if TYPE_CHECKING:
+    from cadence.core.kv_cache import BlockIds, Blocks
     from cadence.config import KVTransferConfig
-    from cadence.core.kv_cache.block_pool import KVCacheBlock
+    from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.request import Request
     from cadence.core.sched.kv_connector import KVConnectorContext
     from cadence.core.sched.output import SchedulerOutput
@@ -137,8 +145,10 @@ def check_kv_transfer_params(params: Any, role: str | None) -> None:
     if missing:
         raise ValueError(f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)}")
     ids = params["remote_block_ids"]
-    if not isinstance(ids, list) or not all(_is_int(b) and b >= 0 for b in ids):
-        raise ValueError("kv_transfer_params: remote_block_ids must be a list of block ids")
+    groups = ids if isinstance(ids, list) and ids and all(isinstance(g, list) for g in ids) else [ids]
+    if not all(isinstance(g, list) and all(_is_int(b) and b >= 0 for b in g) for g in groups):
+        raise ValueError("kv_transfer_params: remote_block_ids must be a list of block ids "
+                         "(or one such list per KV cache group)")
     for name in ("remote_port", "remote_num_tokens", "remote_block_size"):
         if not _is_int(params[name]) or params[name] <= 0:
             raise ValueError(f"kv_transfer_params: {name} must be a positive integer")
@@ -165,6 +175,17 @@ class PDConnectorScheduler(KVConnectorBase):
         # Requests whose remote prompt was already asked for (one that comes
         # back, after a failed load or a preemption, computes it here).
         self._asked: set[str] = set()
+        # This engine's KV cache groups: each one's window (None: full attention),
+        # whether block ids come one list per group, and the id behind a window.
+        self.windows: tuple[int | None, ...] = (None,)
+        self.grouped = False
+        self._null_id: int | None = None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "AnyKVCacheManager") -> None:
+        self.windows = tuple(getattr(kv_cache_manager, "sliding_windows", (None,)))
+        null_block = getattr(kv_cache_manager, "null_block", None)
+        self.grouped = null_block is not None  # the hybrid manager: a list per group
+        self._null_id = None if null_block is None else null_block.block_id
 
     @staticmethod
     def check_kv_transfer_params(params: Any, config: "KVTransferConfig") -> None:
@@ -185,7 +206,7 @@ class PDConnectorScheduler(KVConnectorBase):
     def would_load_async(self, request: "Request", num_computed_tokens: int) -> bool:
         return self._matches(request) and request.num_prompt_tokens - num_computed_tokens > 1
 
-    def update_state_after_alloc(self, request: "Request", blocks: "list[KVCacheBlock]",
+    def update_state_after_alloc(self, request: "Request", blocks: "Blocks",
                                  num_external_tokens: int) -> None:
         params = self._remote_prefill(request)
         if params is None:
@@ -199,10 +220,35 @@ class PDConnectorScheduler(KVConnectorBase):
             return
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
-        local = [block.block_id for block in blocks[first:num_blocks]]
-        remote = list(params["remote_block_ids"][first:num_blocks])
+        local, remote = [], []
+        for g, (group_blocks, group_remote) in enumerate(
+                zip(as_groups(blocks), self._remote_groups(params))):
+            start = max(first, self._first_read(g, request))
+            local.extend(block.block_id for block in group_blocks[start:num_blocks])
+            remote.extend(group_remote[start:num_blocks])
         self._meta.loads.append(RemoteBlocks(request.request_id, local, remote, address,
                                              remote_request_id))
+
+    def _remote_groups(self, params: dict) -> list[list[int]]:
+        """The peer's block ids, one list per KV cache group."""
+        ids = params["remote_block_ids"]
+        return ids if self.grouped else [ids]
+
+    def _load_end(self, request: "Request") -> int:
+        """The tokens computed once the prompt is loaded (the scheduler keeps one
+        to compute, and a parent's block before its fork point)."""
+        end = request.num_prompt_tokens - 1
+        if request.fork_point is not None:
+            end = min(end, request.fork_point - self.block_size)
+        return end
+
+    def _first_read(self, group: int, request: "Request") -> int:
+        """The first position group ``group`` needs from the peer (a window group
+        only what its window reads once the prompt is loaded)."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return first_entry_in_window(max(0, self._load_end(request)), window, self.block_size)
 
     def _remote_prefill(self, request: "Request") -> dict | None:
         """The request's params when it is to load its prompt from a peer (once)."""
@@ -225,12 +271,29 @@ class PDConnectorScheduler(KVConnectorBase):
         num_prompt = request.num_prompt_tokens
         return (params["remote_num_tokens"] == num_prompt
                 and params["remote_block_size"] == self.block_size
-                and len(params["remote_block_ids"]) >= -(-num_prompt // self.block_size)
+                and self._holds_every_read(request, params)
                 and params["remote_prompt_digest"] == prompt_digest(request.prompt_token_ids))
+
+    def _holds_every_read(self, request: "Request", params: dict) -> bool:
+        """Whether the peer's block ids are grouped as this engine's and cover
+        every position each group reads (not the null block inside a window)."""
+        ids = params["remote_block_ids"]
+        grouped = bool(ids) and all(isinstance(g, list) for g in ids)
+        if grouped != self.grouped or (grouped and len(ids) != len(self.windows)):
+            logger.warning("kv transfer: %s computes its prompt here: the peer groups its KV cache "
+                           "layers otherwise", request.request_id)
+            return False
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        for g, group_ids in enumerate(self._remote_groups(params)):
+            if len(group_ids) < num_blocks:
+                return False
+            if self.windows[g] is not None and self._null_id in group_ids[self._first_read(g, request):num_blocks]:
+                return False
+        return True
 
     # ------------------------------------------------------------ prefill side
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: "Request", block_ids: "BlockIds"
                          ) -> tuple[bool, dict[str, Any] | None]:
         unasked = self._remote_prefill(request)
         if unasked is not None:
@@ -241,16 +304,19 @@ class PDConnectorScheduler(KVConnectorBase):
                 str(unasked["remote_request_id"])))
         self._asked.discard(request.request_id)
         params = request.kv_transfer_params
+        groups = as_groups(block_ids)
         if (self.role == CONSUMER or not params or not params.get("do_remote_decode")
-                or request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids):
+                or request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not groups[0]):
             # Aborted, or stopped on its first token: nothing left to decode elsewhere.
             return False, None
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
-        self._meta.holds[request.request_id] = list(block_ids)
+        self._meta.holds[request.request_id] = [
+            block_id for group_ids in groups for block_id in group_ids if block_id != self._null_id]
+        remote = [list(group_ids[:num_blocks]) for group_ids in groups]
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids[:num_blocks]),
+            "remote_block_ids": remote if self.grouped else remote[0],
             "remote_num_tokens": request.num_prompt_tokens,
             "remote_block_size": self.block_size,
             "remote_prompt_digest": prompt_digest(request.prompt_token_ids),

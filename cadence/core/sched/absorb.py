@@ -238,12 +238,17 @@ class OutputAbsorber(RequestLifecycle):
                 self._free_blocks(request)
 
     def _num_valid_blocks(self, req_id: str, invalid_block_ids: set[int]) -> int | None:
-        """How many of the request's leading blocks precede its first invalid one."""
+        """How many of the request's leading block positions precede its first
+        invalid block (in any KV cache group)."""
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
-        for i, block_id in enumerate(block_ids):
-            if block_id in invalid_block_ids:
-                return i
-        return None
+        first_invalid: int | None = None
+        for group_ids in (block_ids if isinstance(block_ids, tuple) else (block_ids,)):
+            for i, block_id in enumerate(group_ids):
+                if block_id in invalid_block_ids:
+                    if first_invalid is None or i < first_invalid:
+                        first_invalid = i
+                    break
+        return first_invalid
 
     def _make_engine_core_outputs(
         self, outputs: dict[int, list[EngineCoreOutput]], spec_stats: SpecDecodingStats | None

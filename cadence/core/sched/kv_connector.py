@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any
 from cadence.core.compiled import mypyc_attr
 
 if TYPE_CHECKING:
-    from cadence.core.kv_cache import BlockIds
-    from cadence.core.kv_cache.block_pool import KVCacheBlock
+    from cadence.core.kv_cache import BlockIds, Blocks
     from cadence.core.kv_cache import AnyKVCacheManager
     from cadence.core.outputs import KVConnectorOutput, PrefixCacheStats
     from cadence.core.request import Request
@@ -79,7 +78,7 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: "Request", blocks: "list[KVCacheBlock]", num_external_tokens: int
+        self, request: "Request", blocks: "Blocks", num_external_tokens: int
     ) -> None:
         """Blocks now hold room for the external tokens; plan their load."""
 

@@ -112,9 +112,6 @@ class Scheduler(OutputAbsorber):
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
-        if kv_cache_layout is not None and kv_cache_layout.is_hybrid and kv_connector is not None:
-            raise ValueError("kv_cache_layout: a KV connector moves one block table per request; "
-                             "KV cache groups need one group (kv_cache_groups off)")
         self.kv_cache_manager = make_kv_cache_manager(
             cache_config.num_gpu_blocks,
             cache_config.block_size,
@@ -518,6 +515,9 @@ class Scheduler(OutputAbsorber):
         new_block_ids = kv.allocate_slots(
             request, num_new + num_external, num_local, hits,
             num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=True,
+            # (what a window group must hold follows where the load leaves the request)
+            num_external_computed_tokens=max(
+                0, self._computed_after_load(request, num_computed) - num_computed + num_external),
         )
         if new_block_ids is None:
             plan.drop_encoder_inputs(request, self.encoder_cache_manager)
@@ -536,7 +536,7 @@ class Scheduler(OutputAbsorber):
         """(local cache hits, their token count, external tokens, async load?)."""
         if request.num_computed_tokens > 0:
             # Its KV is already in place (a forked child, or an async load that finished).
-            return [], 0, 0, False
+            return None, 0, 0, False
         hits, num_local = self.kv_cache_manager.get_computed_blocks(request)
         if request.fork_point is not None:
             # A parent must compute something before it forks.
@@ -595,6 +595,16 @@ class Scheduler(OutputAbsorber):
         loads[request.request_id] = (num_computed, request.status)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
 
+    def _computed_after_load(self, request: Request, num_loaded: int) -> int:
+        """Tokens computed once a load up to ``num_loaded`` lands."""
+        # Keep at least one token to compute, so the request gets logits.
+        num_computed = min(num_loaded, request.num_tokens - 1)
+        if request.fork_point is not None:
+            # A parent forks after a step of its own: as with local hits, it
+            # computes (again) the block before its fork point.
+            num_computed = min(num_computed, request.fork_point - self.block_size)
+        return num_computed
+
     def _finish_remote_kv_load(self, request: Request) -> None:
         """Blocks loaded by the connector become the request's computed prefix.
 
@@ -606,12 +616,10 @@ class Scheduler(OutputAbsorber):
         # Back from a swap: still preempted, so the runner resumes its state.
         request.status = status
         kv = self.kv_cache_manager
-        # Keep at least one token to compute, so the request gets logits.
-        num_computed = min(num_loaded, request.num_tokens - 1)
-        if request.fork_point is not None:
-            # A parent forks after a step of its own: as with local hits, it
-            # computes (again) the block before its fork point.
-            num_computed = min(num_computed, request.fork_point - self.block_size)
+        num_computed = self._computed_after_load(request, num_loaded)
+        # A window group got only what its window reads at the load's end: the
+        # entries before it (never written) go before anything enters the prefix cache.
+        kv.free_behind_window(request, num_computed)
         if num_valid is not None:
             kv.cache_blocks(request, min(num_valid * self.block_size, num_computed))
             kv.free(request)
