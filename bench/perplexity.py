@@ -96,14 +96,21 @@ def cadence_nlls(args: argparse.Namespace, chunks: list[list[int]]) -> tuple[lis
 # ----------------------------------------------------------------- llama.cpp
 
 
-def llamacpp_child(model: str, ctx: int, threads: int, chunks_path: str) -> None:
+# llama.cpp's KV cache types (ggml_type ids) for --llamacpp-kv-cache-type.
+LLAMACPP_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+
+
+def llamacpp_child(model: str, ctx: int, threads: int, chunks_path: str, cache_type: str = "f16") -> None:
     """Runs under the llama.cpp interpreter: NLLs of the scored positions, as JSON on stdout."""
     import numpy as np
     from llama_cpp import Llama
 
     chunks = json.loads(Path(chunks_path).read_text())
+    kind = LLAMACPP_CACHE_TYPES[cache_type]
+    # (a quantized V cache needs flash attention; the float16 one keeps llama.cpp's default)
+    options = {} if cache_type == "f16" else {"flash_attn": True}
     llm = Llama(model_path=model, n_ctx=ctx, n_batch=ctx, n_threads=threads, logits_all=True,
-                verbose=False)
+                verbose=False, type_k=kind, type_v=kind, **options)
     nlls = []
     start = time.perf_counter()
     for chunk in chunks:
@@ -123,7 +130,8 @@ def llamacpp_nlls(args: argparse.Namespace, model: str, chunks: list[list[int]],
     chunks_path.write_text(json.dumps(chunks))
     result = subprocess.run(
         [args.llamacpp_python, __file__, "--llamacpp-child", "--model", model, "--ctx", str(args.ctx),
-         "--threads", str(args.threads), "--chunks-file", str(chunks_path)],
+         "--threads", str(args.threads), "--chunks-file", str(chunks_path),
+         "--llamacpp-kv-cache-type", args.llamacpp_kv_cache_type],
         capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"llama.cpp run failed:\n{result.stderr[-2000:]}")
@@ -148,6 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--llamacpp-python", metavar="PYTHON",
                         help="an interpreter with llama-cpp-python: also run llama.cpp on the same ids")
+    parser.add_argument("--llamacpp-kv-cache-type", default="f16", choices=sorted(LLAMACPP_CACHE_TYPES),
+                        help="llama.cpp's K and V cache type (default f16)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     parser.add_argument("--llamacpp-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--chunks-file", help=argparse.SUPPRESS)
@@ -157,7 +167,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.llamacpp_child:
-        llamacpp_child(args.model, args.ctx, args.threads, args.chunks_file)
+        llamacpp_child(args.model, args.ctx, args.threads, args.chunks_file, args.llamacpp_kv_cache_type)
         return 0
     from cadence.models.default_model import default_model_path
 
@@ -176,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory() as tmp:
             reference, ref_seconds = llamacpp_nlls(args, model, chunks, Path(tmp))
-        report["llama.cpp"] = {**perplexity(reference), "seconds": ref_seconds}
+        report["llama.cpp"] = {**perplexity(reference), "seconds": ref_seconds,
+                               "kv_cache_type": args.llamacpp_kv_cache_type}
         report["cadence / llama.cpp"] = report["cadence"]["ppl"] / report["llama.cpp"]["ppl"]
     print_report(report)
     if args.json:

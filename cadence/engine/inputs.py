@@ -18,7 +18,8 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | No
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = list(prompt["prompt_token_ids"])
-        if not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids):
+        vocab_size = tokenizer.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
             raise ValueError("prompt_token_ids: every id must be an int in [0, vocab_size)")
         return prompt.get("prompt"), ids
     if isinstance(prompt, dict) and "prompt" in prompt:

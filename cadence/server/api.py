@@ -187,8 +187,9 @@ def build_app(config: ServerConfig, options: EngineOptions) -> FastAPI:
         state.check_model(body.model)
         tokenizer = llm.tokenizer
         assert tokenizer is not None
-        if not all(0 <= t < tokenizer.vocab_size for t in body.tokens):
-            raise ValueError(f"tokens: every id must be in [0, {tokenizer.vocab_size})")
+        vocab_size = tokenizer.vocab_size
+        if not all(0 <= t < vocab_size for t in body.tokens):
+            raise ValueError(f"tokens: every id must be in [0, {vocab_size})")
         return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
 
     @app.post("/reset_prefix_cache")
