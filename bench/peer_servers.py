@@ -61,6 +61,17 @@ def server_configs(num_cores: int) -> dict[str, ServerConfig]:
     }
 
 
+def config_named(name: str, configs: dict[str, ServerConfig]) -> ServerConfig:
+    """A configuration of ``server_configs``, or ``cadence:ARGS``: cadence's defaults
+    with ARGS (space-separated options, e.g. ``cadence:--max-num-seqs 16``) added."""
+    if name in configs:
+        return configs[name]
+    kind, _, args = name.partition(":")
+    if kind != "cadence" or not args.strip():
+        raise ValueError(f"--servers: {name!r} is neither one of {sorted(configs)} nor cadence:ARGS")
+    return ServerConfig(f"cadence {args.strip()}", "cadence", tuple(args.split()))
+
+
 def cadence_argv(model: Path, port: int, config: ServerConfig, chat_template: Path | None) -> list[str]:
     """``cadence serve`` from this checkout (``python -m cadence.server serve``)."""
     argv = [sys.executable, "-m", "cadence.server", "serve", str(model), "--host", "127.0.0.1",

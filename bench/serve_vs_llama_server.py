@@ -29,6 +29,7 @@ Servers (``--servers``; see peer_servers.py): ``cadence-defaults``,
 (``--num-threads`` every core) is cadence's best configuration on these
 machines, and its defaults since serving threads became every core
 (BENCHMARKS serve-vs-llama-server-v1), so a sitting runs it only when asked.
+``cadence:ARGS`` runs cadence's defaults with ARGS added (``cadence:--max-num-seqs 16``).
 Each measured point
 waits for a quiet moment, starts its server afresh (empty caches, one warm-up
 request on an unrelated prompt), runs aiperf, and stops it; each row says the
@@ -58,7 +59,7 @@ from pathlib import Path
 
 from llama_server_peer import CACHE, DEFAULT_SERVER_DIR, read_peer
 from peer_servers import (CpuMeter, RunningServer, ServerConfig, cadence_argv, free_port,
-                          llama_server_argv, server_configs)
+                          config_named, llama_server_argv, server_configs)
 from serve_sweep import (SLO, RateResult, Sweep, failed_result, find_sustained_rate, meets_slo,
                          parse_aiperf_export, rate_row, rate_table_header, sustained_row,
                          sustained_table_header, to_jsonable)
@@ -455,7 +456,7 @@ def make_sitting(args: argparse.Namespace, peer: dict) -> Sitting:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Sitting(
         models=[resolve_model(name) for name in args.models.split(",")],
-        configs=[configs[name] for name in args.servers.split(",")],
+        configs=[config_named(name, configs) for name in args.servers.split(",")],
         scenarios=args.scenarios.split(","), rates=[float(r) for r in args.rates.split(",")],
         num_requests=args.requests_per_rate, output_tokens=args.output_tokens, cores=cores,
         sweep=not args.no_sweep, max_probes=args.max_probes, quiet_wait_s=args.quiet_wait_s,

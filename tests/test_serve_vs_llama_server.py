@@ -186,6 +186,11 @@ def test_server_command_lines(bench, tmp_path):
     tuned = servers.llama_server_argv(Path("llama-server"), model, 8124, configs["llama-best"], template)
     assert tuned[tuned.index("-np") + 1] == "16" and tuned[tuned.index("-t") + 1] == "2"
     assert tuned[tuned.index("--chat-template-file") + 1] == str(template)
+    capped = servers.config_named("cadence:--max-num-seqs 16", configs)
+    assert servers.cadence_argv(model, 8123, capped, None)[-2:] == ["--max-num-seqs", "16"]
+    assert servers.config_named("llama-best", configs) is configs["llama-best"]
+    with pytest.raises(ValueError, match="^--servers: 'llama:-np 4' is neither"):
+        servers.config_named("llama:-np 4", configs)
 
 
 def test_a_server_that_cannot_start_is_a_failed_point(bench, tmp_path):
