@@ -35,13 +35,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from throughput import WORKLOAD_FILE, CpuWatch, make_header, uptime, wait_for_quiet
+from throughput import WORKLOAD_FILE, make_header, run_measured_child, uptime
 
 HERE = Path(__file__).resolve().parent
 PEER = HERE.parent.parent / "shared" / "peers" / "llamacpp"
@@ -173,26 +171,9 @@ def configurations(args) -> list[tuple[str, dict]]:
 def run_child(kind: str, job: dict, args) -> dict:
     """One measured process, repeated (up to --max-attempts) while others kept cores busy."""
     python = args.llamacpp_python if kind == "llamacpp" else sys.executable
-    result = {}
-    for _ in range(args.max_attempts):
-        wait_for_quiet(args.max_others, args.wait_quiet)
-        watch, children = CpuWatch(), _children_cpu_seconds()
-        done = subprocess.run([python, __file__, "--child", kind], input=json.dumps(job), capture_output=True,
-                              text=True, cwd=HERE.parent, timeout=1800)
-        reading = watch.read()  # its "others" count the child: take the child's CPU out
-        others = max(0.0, reading["others_cores"] - (_children_cpu_seconds() - children) / reading["wall_s"])
-        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
-        if done.returncode or not lines:
-            raise RuntimeError(f"{kind} child failed:\n{done.stderr[-3000:]}")
-        result = json.loads(lines[-1][len(RESULT_MARK):]) | {"others busy cores": round(others, 2)}
-        if others <= args.max_others:
-            break
-    return result
-
-
-def _children_cpu_seconds() -> float:
-    times = os.times()
-    return times.children_user + times.children_system
+    return run_measured_child([python, __file__, "--child", kind], job, cwd=HERE.parent, timeout_s=1800,
+                              max_attempts=args.max_attempts, max_others=args.max_others,
+                              wait_quiet_s=args.wait_quiet)
 
 
 def report(results: dict[str, dict], model: str) -> str:

@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from throughput import CpuWatch, uptime, wait_for_quiet
+from throughput import run_measured_child, uptime
 
 HERE = Path(__file__).resolve().parent
 PEER = HERE.parent.parent / "shared" / "peers" / "llamacpp"
@@ -76,6 +75,7 @@ def batch_prompts(ids: list[int], job: dict) -> list[list[int]]:
 
 
 def run_cadence(job: dict) -> dict:
+    from cadence.core.testing import sequences_held
     from cadence.engine.llm import LLM
     from cadence.sampling_params import SamplingParams
 
@@ -85,7 +85,7 @@ def run_cadence(job: dict) -> dict:
     sizing = LLM(model=job["model"], kv_cache_memory="1GiB", **options)
     kv = sizing.engine.core.scheduler.kv_cache_manager
     budget = sizing.engine.core.scheduler.config.max_num_batched_tokens
-    sequences_in_1gib = sequences_held(kv, job["context"], budget)
+    sequences_in_1gib = sequences_held(kv, job["context"], budget)  # prefilled in chunks of the budget
     bound = kv.max_concurrency(job["context"], budget)
     del sizing, kv
 
@@ -126,32 +126,6 @@ def run_cadence(job: dict) -> dict:
             "single-stream decode tok/s": single, "batch decode tok/s": batch, "step token budget": budget,
             "kv cache": str(runner.kv_cache.data.dtype).removeprefix("torch."),
             "groups": getattr(core.scheduler.kv_cache_manager, "num_groups", 1)}
-
-
-def sequences_held(kv, context: int, budget: int) -> int:
-    """Sequences of ``context`` tokens the allocator holds at once: each prefilled in
-    ``budget``-token chunks, as the scheduler allocates them, then decoding (a window
-    group then holds its window, not the last chunk), until the pool refuses one."""
-    from cadence.core.testing import new_request
-
-    held = []
-    while True:
-        request = new_request(f"s{len(held)}", context - 1, max_tokens=1)
-        chunks = [budget] * ((context - 1) // budget) + [(context - 1) % budget]
-        for chunk in chunks:
-            if kv.allocate_slots(request, chunk) is None:
-                break
-            request.num_computed_tokens += chunk
-        else:
-            request.append_output_token_ids(7)
-            if kv.allocate_slots(request, 1) is not None:
-                held.append(request)
-                continue
-        kv.free(request)
-        break
-    for request in held:
-        kv.free(request)
-    return len(held)
 
 
 def decode_rate(step_ends: list[tuple[float, list[str], int]], num_sequences: int) -> float:
@@ -285,26 +259,9 @@ def child_main(kind: str) -> None:
 def run_child(kind: str, job: dict, args) -> dict:
     """One measured process, repeated (up to --max-attempts) while others kept cores busy."""
     python = args.llamacpp_python if kind == "llamacpp" else sys.executable
-    result: dict = {}
-    for _ in range(args.max_attempts):
-        wait_for_quiet(args.max_others, args.wait_quiet)
-        watch, children = CpuWatch(), _children_cpu_seconds()
-        done = subprocess.run([python, __file__, "--child", kind], input=json.dumps(job), capture_output=True,
-                              text=True, cwd=HERE.parent, timeout=3600)
-        reading = watch.read()  # its "others" count the child: take the child's CPU out
-        others = max(0.0, reading["others_cores"] - (_children_cpu_seconds() - children) / reading["wall_s"])
-        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
-        if done.returncode or not lines:
-            raise RuntimeError(f"{kind} child failed:\n{done.stderr[-3000:]}")
-        result = json.loads(lines[-1][len(RESULT_MARK):]) | {"others busy cores": round(others, 2)}
-        if others <= args.max_others:
-            break
-    return result
-
-
-def _children_cpu_seconds() -> float:
-    times = os.times()
-    return times.children_user + times.children_system
+    return run_measured_child([python, __file__, "--child", kind], job, cwd=HERE.parent,
+                              max_attempts=args.max_attempts, max_others=args.max_others,
+                              wait_quiet_s=args.wait_quiet)
 
 
 def report(results: dict[str, dict], job: dict) -> str:

@@ -427,6 +427,33 @@ def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES) -> float:
             return others
 
 
+def run_measured_child(argv: list[str], job: dict, *, cwd: Path, max_attempts: int, max_others: float,
+                       wait_quiet_s: float, timeout_s: float = 3600) -> dict:
+    """One measured child process (``argv``, ``job`` as JSON on its stdin, its result
+    the last ``RESULT`` line of its stdout), run again (up to ``max_attempts``) while
+    other processes kept more than ``max_others`` cores busy; the result says how many."""
+    result: dict = {}
+    for _ in range(max_attempts):
+        wait_for_quiet(wait_quiet_s, max_others)
+        watch, children = CpuWatch(), _children_cpu_seconds()
+        done = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, cwd=cwd,
+                              timeout=timeout_s)
+        reading = watch.read()  # its "others" count the child: take the child's CPU out
+        others = max(0.0, reading["others_cores"] - (_children_cpu_seconds() - children) / reading["wall_s"])
+        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+        if done.returncode or not lines:
+            raise RuntimeError(f"{' '.join(argv[1:])} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(lines[-1][len(RESULT_MARK):]) | {"others busy cores": round(others, 2)}
+        if others <= max_others:
+            break
+    return result
+
+
+def _children_cpu_seconds() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
 def check_tokens(label: str, result: dict, job: Job) -> None:
     """Every prompt got exactly max_tokens new tokens (else the run is a failed row)."""
     expected = [job.max_tokens] * len(job.prompt_ids)

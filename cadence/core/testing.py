@@ -492,6 +492,32 @@ def all_blocks_free(scheduler: Scheduler) -> bool:
     return kv.num_free_blocks + kv.num_reserved_blocks == kv.block_pool.num_blocks and not kv.req_to_blocks
 
 
+def sequences_held(kv: Any, num_tokens: int, chunk: int) -> int:
+    """Sequences of ``num_tokens`` tokens a KV cache manager holds at once: each
+    prefilled in ``chunk``-token pieces, as the scheduler allocates them, then
+    decoding (a window group then holds its window, not the last chunk), until
+    the pool refuses one. Everything is freed again before it returns."""
+    held = []
+    while True:
+        request = new_request(f"held{len(held)}", num_tokens - 1, max_tokens=1)
+        pieces = [chunk] * ((num_tokens - 1) // chunk) + [(num_tokens - 1) % chunk]
+        for piece in pieces:
+            if kv.allocate_slots(request, piece) is None:
+                break
+            request.num_computed_tokens += piece
+        else:
+            request.append_output_token_ids(7)  # it decodes
+            if kv.allocate_slots(request, 1) is not None:
+                held.append(request)
+                continue
+        kv.free(request)
+        break
+    for request in held:
+        kv.free(request)
+    kv.check_consistency()
+    return len(held)
+
+
 def ref_counts(scheduler: Scheduler, block_ids: Iterable[int]) -> list[int]:
     blocks = scheduler.kv_cache_manager.block_pool.blocks
     return [blocks[b].ref_cnt for b in block_ids]

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from cadence.core.kv_cache import HybridKVCacheManager, KVCacheManager
-from cadence.core.testing import new_request
+from cadence.core.testing import sequences_held
 from cadence.engine.llm import LLM
 from cadence.sampling_params import SamplingParams
 from tests.models.gemma3_file import gemma3_path
@@ -60,39 +60,14 @@ def test_greedy_tokens_with_groups_equal_one_full_groups(engines):
     assert set(stats.kv_cache_group_usage) == {"0:full", *(f"{g}:window512" for g in range(1, 6))}
 
 
-def sequences_held(kv) -> int:
-    """Requests of CONTEXT tokens the allocator holds at once: each prefilled in
-    BUDGET-token chunks and then decoding, as the scheduler allocates them,
-    until the pool refuses one (then everything is freed)."""
-    held = []
-    while True:
-        request = new_request(f"long{len(held)}", CONTEXT - 1, max_tokens=1)
-        chunks = [BUDGET] * ((CONTEXT - 1) // BUDGET) + [(CONTEXT - 1) % BUDGET]
-        for chunk in chunks:
-            if kv.allocate_slots(request, chunk) is None:
-                break
-            request.num_computed_tokens += chunk
-        else:
-            request.append_output_token_ids(7)  # it decodes: a window group drops its last chunk
-            if kv.allocate_slots(request, 1) is not None:
-                held.append(request)
-                continue
-        kv.free(request)
-        break
-    for request in held:
-        kv.free(request)
-    kv.check_consistency()
-    assert kv.usage == 0.0
-    return len(held)
-
-
 def test_a_fixed_memory_holds_3_5x_the_long_sequences(engines):
     managers = {groups: llm.engine.core.scheduler.kv_cache_manager for groups, llm in engines.items()}
     # What the allocator's block counts say: blocks in the pool / blocks one sequence
     # holds at most (a window group: its window and one step's chunk).
     capacity = {groups: kv.max_concurrency(CONTEXT, BUDGET) for groups, kv in managers.items()}
     # And what it admits: sequences allocated one after another until the pool refuses.
-    held = {groups: sequences_held(kv) for groups, kv in managers.items()}
+    held = {groups: sequences_held(kv, CONTEXT, BUDGET) for groups, kv in managers.items()}
+    assert all(kv.usage == 0.0 for kv in managers.values())
     print("8,192-token sequences in 1 GiB: capacity", capacity, "held at once", held)
     assert capacity[True] >= 3.5 * capacity[False], capacity
     assert held[False] == int(capacity[False]) and held[True] >= 3.5 * held[False], held
@@ -120,8 +95,9 @@ def test_the_simulator_admits_what_the_engine_admits(engines):
     for groups in (True, False):
         simulator = Simulator(SchedulerConfig(max_model_len=CONTEXT, max_num_batched_tokens=BUDGET, max_num_seqs=64),
                               CacheConfig(kv_cache_groups=groups), cost_model)
-        simulated[groups] = sequences_held(simulator.scheduler.kv_cache_manager)
-    held = {groups: sequences_held(llm.engine.core.scheduler.kv_cache_manager) for groups, llm in engines.items()}
+        simulated[groups] = sequences_held(simulator.scheduler.kv_cache_manager, CONTEXT, BUDGET)
+    held = {groups: sequences_held(llm.engine.core.scheduler.kv_cache_manager, CONTEXT, BUDGET)
+            for groups, llm in engines.items()}
     print("8,192-token sequences in 1 GiB, simulated", simulated, "engine", held)
     for groups in (True, False):
         assert abs(simulated[groups] / held[groups] - 1) <= 0.05, (groups, simulated, held)
