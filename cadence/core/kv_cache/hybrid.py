@@ -243,7 +243,7 @@ class HybridKVCacheManager:
             self._free_behind_window(req_id, groups, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_total = num_computed + num_lookahead_tokens
-        if new_computed_blocks is not None and not (new_computed_blocks and new_computed_blocks[0]):
+        if new_computed_blocks is not None and not new_computed_blocks[0]:
             new_computed_blocks = None  # no hits
         if new_computed_blocks is None and num_total <= len(groups[0]) * self.block_size:
             new_block_ids: GroupBlockIds = tuple([] for _ in range(self.num_groups))

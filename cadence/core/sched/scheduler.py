@@ -517,7 +517,8 @@ class Scheduler(OutputAbsorber):
             num_lookahead_tokens=self.num_lookahead_tokens, delay_cache_blocks=True,
             # (what a window group must hold follows where the load leaves the request)
             num_external_computed_tokens=max(
-                0, self._computed_after_load(request, num_computed) - num_computed + num_external),
+                0, self._computed_after_load(request, num_computed) - num_computed + num_external)
+            if num_external else 0,
         )
         if new_block_ids is None:
             plan.drop_encoder_inputs(request, self.encoder_cache_manager)
