@@ -76,8 +76,10 @@ class MetricsRecorder:
     def on_step(self, time: float, outputs: dict[int, EngineCoreOutputs]) -> None:
         live, first, last, num_output = self._live, self.first_token, self.last_token, self.num_output
         clients = self._clients
-        itl_append = self.itl.append
-        window = None  # this step's service bucket, made when a token is served
+        gaps: list[float] = []  # this step's inter-token gaps, in order (one call into the array)
+        # Tokens served to one client by consecutive outputs, added to the
+        # step's service bucket when the client changes (most steps: once).
+        run_client, run_served = 0, 0
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
                 i = live[out.request_id]
@@ -85,22 +87,32 @@ class MetricsRecorder:
                 if num_new:
                     served = num_new
                     if num_output[i]:
-                        itl_append(time - last[i])
+                        gaps.append(time - last[i])
                     else:
                         first[i] = time
                         self.num_cached[i] = out.num_cached_tokens
                         served += self.specs[i].prompt_tokens
-                    if window is None:
-                        window = self.service.setdefault(int(time / SERVICE_WINDOW_S), {})
                     client = clients[i]
-                    window[client] = window.get(client, 0) + served
+                    if client != run_client:
+                        self._serve(time, run_client, run_served)
+                        run_client, run_served = client, 0
+                    run_served += served
                     if num_new > 1:  # several tokens in one step (drafts accepted)
-                        self.itl.extend([0.0] * (num_new - 1))
+                        gaps.extend([0.0] * (num_new - 1))
                     last[i] = time
                     num_output[i] += num_new
                 if out.finish_reason is not None:
                     self.finished[i] = True
                     del live[out.request_id]
+        self._serve(time, run_client, run_served)
+        if gaps:
+            self.itl.fromlist(gaps)
+
+    def _serve(self, time: float, client: int, tokens: int) -> None:
+        """Count ``tokens`` served to ``client`` in the service bucket of ``time``."""
+        if tokens:
+            window = self.service.setdefault(int(time / SERVICE_WINDOW_S), {})
+            window[client] = window.get(client, 0) + tokens
 
     def on_queues(self, time: float, num_running: int, num_waiting: int, kv_usage: float) -> None:
         timeline = self.timeline

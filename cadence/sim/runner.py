@@ -38,6 +38,16 @@ class StepTransfers(Protocol):
         ...
 
 
+class KnownTokens:
+    """A request's known tokens (prompt + sampled) in the runner: counted in
+    place, without a store into the runner's map per step."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
 class ExecutedStep(NamedTuple):
     seconds: float
     shape: StepShape
@@ -54,7 +64,7 @@ class SimRunner(RunnerBase):
         self.cost_model = cost_model
         self.transfers = transfers
         # req_id -> known tokens (prompt + sampled), kept across preemption.
-        self._num_tokens: dict[str, int] = {}
+        self._num_tokens: dict[str, KnownTokens] = {}
         self.last_step_seconds = 0.0
         self.last_shape = StepShape(0, 0, 0, 0)
         self.last_num_preempted = 0
@@ -73,20 +83,24 @@ class SimRunner(RunnerBase):
             req_ids = [r.req_id for r in new_reqs] + req_ids
             computed = [r.num_computed_tokens for r in new_reqs] + computed
             for new_req in new_reqs:
-                num_tokens[new_req.req_id] = len(new_req.prompt_token_ids) + len(new_req.output_token_ids)
+                num_tokens[new_req.req_id] = KnownTokens(len(new_req.prompt_token_ids) + len(new_req.output_token_ids))
         # One pass: sample where this step reaches the known tokens' end (with
         # drafts scheduled, all are rejected: one token, the scheduler rolls
         # back), and count the attention pairs beyond a decode's c + 1.
         scheduled = scheduler_output.num_scheduled_tokens
         sampled: list[list[int]] = []
         append = sampled.append
+        # One list for every row that samples: nothing downstream changes a
+        # row's tokens (they are appended to the request and read by the
+        # client), and a list per row and step is most of a decode's garbage.
+        filler = [FILLER_TOKEN_ID]
         extra_pairs = 0
         for req_id, c in zip(req_ids, computed):
             q = scheduled[req_id]
             known = num_tokens[req_id]
-            if c + q >= known:  # samples(c, q, known), inline (it runs per request and step)
-                num_tokens[req_id] = known + 1
-                append([FILLER_TOKEN_ID])
+            if c + q >= known.count:  # samples(c, q, known), inline (it runs per request and step)
+                known.count += 1
+                append(filler)
             else:
                 append([])  # a prefill chunk short of the prompt's end
             if q != 1:

@@ -343,11 +343,21 @@ def write_trace(path: str | Path, specs: Iterable[RequestSpec]) -> None:
 # ---------------------------------------------------------------- prompt tokens
 
 
+RUN_FILL = 1  # a simulated prompt's ids after the first of each run (see PromptMaker)
+
+
 class PromptMaker:
     """Prompt token ids for specs: a group's requests share their leading tokens.
 
-    Without ``vocab_size`` (pure simulation) ids are consecutive integers from a
-    per-request range, which is fast and never collides across requests. With
+    Without ``vocab_size`` (pure simulation) a run of ids opens with an id of
+    its own (a request's, or a group's, from disjoint ranges) and goes on with
+    ``RUN_FILL``, an id no simulated output is (the runner samples
+    ``FILLER_TOKEN_ID``). Two token sequences then agree exactly as far as
+    they would with every prompt id distinct (a run ends where the other
+    sequence has a new run's own id or an output, never ``RUN_FILL``), so
+    prompts share blocks where they share a group prefix and nowhere else,
+    and a prompt costs no integer object per token (a million requests'
+    prompts are half a billion ids). With
     it (a real model) ids are random in [``low``, vocab_size), seeded per
     request and per group, so two runs of one trace get the same prompts.
     """
@@ -381,6 +391,6 @@ class PromptMaker:
 
     def _tokens(self, key: tuple, n: int, start: int) -> list[int]:
         if self.vocab_size is None:
-            return list(range(start, start + n))
+            return [start] + [RUN_FILL] * (n - 1) if n > 0 else []
         rng = random.Random(f"{self.seed}/{key[0]}/{key[1]}")
         return [rng.randrange(self.low, self.vocab_size) for _ in range(n)]

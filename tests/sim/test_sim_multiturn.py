@@ -112,7 +112,10 @@ def test_a_later_turn_holds_the_previous_prompt_and_the_tokens_it_generated():
     assert [len(p) for p in prompts.values()] == [s.prompt_tokens for s in specs]
     new_messages = prompts[1][46:], prompts[2][61:]
     assert len(new_messages[0]) == 10 and len(new_messages[1]) == 3
-    assert not set(new_messages[0]) & set(prompts[0]) and not set(new_messages[1]) & set(prompts[1])
+    # A new message is the turn's own: it opens with an id of its own (what
+    # follows is the maker's run filler), found nowhere in the history before it.
+    assert new_messages[0][0] not in prompts[0] and new_messages[1][0] not in prompts[1]
+    assert new_messages[0][0] != new_messages[1][0]
 
 
 def test_a_later_turn_arrives_think_time_after_the_previous_turns_last_token():

@@ -68,9 +68,29 @@ def test_prompt_maker_shares_group_prefixes_only():
     b = maker.make(1, RequestSpec(0, 50, 1, prefix_group=1, prefix_tokens=30))
     c = maker.make(2, RequestSpec(0, 50, 1, prefix_group=2, prefix_tokens=30))
     d = maker.make(3, RequestSpec(0, 50, 1))
-    assert a[:30] == b[:30] and a[30:] != b[30:40]
-    assert not set(c) & set(a) and not set(d) & (set(a) | set(c))
-    assert (len(a), len(b)) == (40, 50)
+    assert (len(a), len(b), len(c), len(d)) == (40, 50, 50, 50)
+    # Prompts share leading ids exactly as far as their group prefix.
+    assert _common_prefix(a, b) == 30
+    assert _common_prefix(a, c) == _common_prefix(a, d) == _common_prefix(c, d) == 0
+    assert _common_prefix(b[30:], maker.make(4, RequestSpec(0, 50, 1, prefix_group=1, prefix_tokens=30))[30:]) == 0
+
+
+def test_simulated_outputs_never_continue_a_prompt_run():
+    """A request whose prompt is a group prefix cut short must not find the
+    rest of that prefix in its own outputs."""
+    from cadence.sim.runner import FILLER_TOKEN_ID
+
+    maker = PromptMaker()
+    short = maker.make(0, RequestSpec(0, 20, 8, prefix_group=1, prefix_tokens=20))
+    whole = maker.make(1, RequestSpec(0, 40, 1, prefix_group=1, prefix_tokens=30))
+    assert _common_prefix(short + [FILLER_TOKEN_ID] * 8, whole) == 20
+
+
+def _common_prefix(x: list[int], y: list[int]) -> int:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
 
 
 def test_prompt_maker_for_a_real_vocabulary_is_reproducible():

@@ -157,12 +157,12 @@ class BlockPool:
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
-                # A cached-free block: evicted from the prefix cache now.
+                # A cached-free block: evicted from the prefix cache now (a
+                # block has a hash only while the index holds it under it).
                 block.block_hash = None
-                if cached_blocks.get(block_hash) is block:
-                    del cached_blocks[block_hash]
-                    if self.enable_events:
-                        self._events.append(BlockRemoved([block_hash]))
+                del cached_blocks[block_hash]
+                if self.enable_events:
+                    self._events.append(BlockRemoved([block_hash]))
             block.ref_cnt = 1
         return blocks
 
@@ -192,10 +192,9 @@ class BlockPool:
         events = self._events if self.enable_events else None
         for i in range(first, end):
             block, block_hash = blocks[i], block_hashes[i]
-            if block.block_hash is not None or block_hash in cached_blocks:
+            if block.block_hash is not None or cached_blocks.setdefault(block_hash, block) is not block:
                 continue  # an equal block is already cached; this one stays anonymous
             block.block_hash = block_hash
-            cached_blocks[block_hash] = block
             if events is not None:
                 parent_hash = block_hashes[i - 1] if i else ROOT_HASH
                 block_token_ids = token_ids[i * block_size:(i + 1) * block_size]

@@ -81,6 +81,8 @@ class HybridKVCacheManager:
         self._full_groups = [g for g, w in enumerate(sliding_windows) if w is None]
         # Blocks owned (ref_cnt > 0) per group, for /metrics.
         self.num_owned_blocks = [0] * self.num_groups
+        # allocate_slots' answer when it takes no block: shared, read only.
+        self._no_new_blocks: GroupBlockIds = tuple([] for _ in range(self.num_groups))
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
 
@@ -246,7 +248,7 @@ class HybridKVCacheManager:
         if new_computed_blocks is not None and not new_computed_blocks[0]:
             new_computed_blocks = None  # no hits
         if new_computed_blocks is None and num_total <= len(groups[0]) * self.block_size:
-            new_block_ids: GroupBlockIds = tuple([] for _ in range(self.num_groups))
+            new_block_ids: GroupBlockIds = self._no_new_blocks  # (shared: never changed)
         else:
             loaded_end = None
             if num_external_computed_tokens > 0:
@@ -369,10 +371,9 @@ class HybridKVCacheManager:
                 if block is null or block.block_hash is not None:
                     continue
                 block_key = key(hashes[i], g)
-                if block_key in cached:
+                if cached.setdefault(block_key, block) is not block:
                     continue  # an equal block is cached; this one stays anonymous
                 block.block_hash = block_key
-                cached[block_key] = block
                 if record is not None and g == 0:
                     record(self._stored_event(request, hashes, i))
         self.num_cached_blocks[req_id] = num_full

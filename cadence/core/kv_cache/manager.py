@@ -25,6 +25,12 @@ from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
 
+# What allocate_slots returns when it takes no block (most decode steps):
+# shared, so never changed (a list per request and step was most of a
+# decode step's garbage).
+NO_NEW_BLOCKS: list[int] = []
+
+
 class KVCacheManager:
     """Owns the block pool and each request's block list (one group of layers;
     ``HybridKVCacheManager`` keeps one list per group)."""
@@ -157,7 +163,8 @@ class KVCacheManager:
         a KV connector) changes nothing here: every layer reads every position.
         Returns the ids of the blocks newly taken from the pool (hits not
         included), or ``None`` when the pool cannot supply them, in which
-        case nothing changed.
+        case nothing changed. The list is the caller's to read, not to change:
+        a step that takes no block gets ``NO_NEW_BLOCKS``, one list for all.
         """
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
@@ -170,7 +177,7 @@ class KVCacheManager:
         ):
             # The common decode step: the tokens fit the blocks held (15 steps
             # in 16), nothing to take from the pool.
-            new_block_ids: list[int] | None = []
+            new_block_ids: list[int] | None = NO_NEW_BLOCKS
         else:
             if blocks is None:
                 blocks = self.req_to_blocks[req_id] = []

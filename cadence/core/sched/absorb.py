@@ -83,7 +83,10 @@ class OutputAbsorber(RequestLifecycle):
         outputs = self._take_orphan_outputs()
         plain_step = self._is_plain_step(scheduler_output, model_runner_output)
         spec_stats: SpecDecodingStats | None = None
-        num_stopped = 0
+        stopped: list[Request] = []
+        # The outputs of the last request's client (most steps serve one client).
+        client = 0
+        client_outputs: list[EngineCoreOutput] | None = None
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None or request.status > _PREEMPTED:
@@ -94,7 +97,7 @@ class OutputAbsorber(RequestLifecycle):
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
                 if append_token(request, new_token_ids[0], max_model_len):
-                    num_stopped += 1
+                    stopped.append(request)
                     output = make_engine_core_output(request, new_token_ids, None, None, free_request(request))
                 else:  # still running: no finish reason, nothing but the token (and events)
                     output = EngineCoreOutput(
@@ -113,13 +116,13 @@ class OutputAbsorber(RequestLifecycle):
                     continue
                 output = general
                 if output.finish_reason is not None:
-                    num_stopped += 1  # only a request that stopped in this step has one
-            client_outputs = outputs.get(request.client_index)
-            if client_outputs is None:
-                client_outputs = outputs[request.client_index] = []
+                    stopped.append(request)  # only a request that stopped in this step has one
+            if client_outputs is None or request.client_index != client:
+                client = request.client_index
+                client_outputs = outputs.setdefault(client, [])
             client_outputs.append(output)
-        if num_stopped:
-            self._remove_finished_from_queues()
+        if stopped:
+            self._remove_finished_from_queues(stopped)
         if model_runner_output.kv_connector_output is not None:
             self._absorb_kv_transfers(model_runner_output.kv_connector_output)
         return self._make_engine_core_outputs(outputs, spec_stats)

@@ -222,8 +222,16 @@ class RequestLifecycle(SchedulerInterface):
         )
         self._orphan_clients.append(request.client_index)
 
-    def _remove_finished_from_queues(self) -> None:
-        """Drop requests that stopped in this step from ``running`` and ``waiting``."""
+    def _remove_finished_from_queues(self, stopped: list[Request] | None = None) -> None:
+        """Drop requests that stopped in this step from ``running`` and
+        ``waiting``; ``stopped``: all of them, if known (each step stops few of
+        many running, so those are looked for, not every request checked)."""
+        if stopped is not None:
+            running = self.running
+            if all(request in running for request in stopped):
+                for request in stopped:
+                    running.remove(request)
+                return
         self.running[:] = [r for r in self.running if r.status <= _PREEMPTED]
         finished_waiting = [r for r in self.waiting if r.status > _PREEMPTED]
         if finished_waiting:

@@ -226,7 +226,6 @@ class Scheduler(OutputAbsorber):
         allocate = self.kv_cache_manager.allocate_slots
         lookahead = self.num_lookahead_tokens
         unsent = self.unsent_running
-        schedule_running = plan.schedule_running
         if requests is not None:
             order = requests
         else:
@@ -280,7 +279,7 @@ class Scheduler(OutputAbsorber):
                 plan.new.append(request)
                 plan.schedule_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
             else:
-                schedule_running(request, num_new, new_block_ids)
+                plan.schedule_running(request, num_new, new_block_ids)
             if caps is not None:
                 caps.count(request)
         return deferred
@@ -674,7 +673,7 @@ class Scheduler(OutputAbsorber):
         req_ids = [r.request_id for r in running]
         num_computed = [r.num_computed_tokens for r in running]
         new_block_ids = plan.new_block_ids
-        block_ids = [new_block_ids[req_id] for req_id in req_ids]
+        block_ids = plan.running_block_ids  # (the plan ends with this step)
         resumed_flags = [False] * len(running)
         for request in resumed:
             req_ids.append(request.request_id)

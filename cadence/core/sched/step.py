@@ -25,7 +25,8 @@ class StepPlan:
     """Requests scheduled in this step, with their token counts and new blocks."""
 
     __slots__ = (
-        "token_budget", "num_scheduled_tokens", "new_block_ids", "running", "new", "resumed",
+        "token_budget", "num_scheduled_tokens", "new_block_ids", "running", "running_block_ids", "new",
+        "resumed",
         "preempted", "spec_tokens", "encoder_inputs", "encoder_budget", "kv_read_budget",
         "sliding_window", "_loras", "_tracks_extras", "_structured", "_disable_chunked_mm_input",
         "prefill_caps", "token_limit",
@@ -35,8 +36,9 @@ class StepPlan:
         self.token_budget = token_budget
         self.token_limit = token_budget  # the step's whole budget (token_budget: what is left)
         self.num_scheduled_tokens: dict[str, int] = {}
-        self.new_block_ids: dict[str, BlockIds] = {}
+        self.new_block_ids: dict[str, BlockIds] = {}  # of the new and resumed requests
         self.running: list[Request] = []  # already running, scheduled again
+        self.running_block_ids: list[BlockIds] = []  # their new blocks, in the same order
         self.new: list[Request] = []  # first time the runner sees them
         self.resumed: list[Request] = []  # back from preemption
         self.preempted: list[Request] = []
@@ -66,8 +68,8 @@ class StepPlan:
     def schedule_running(self, request: "Request", num_new: int, new_block_ids: BlockIds) -> None:
         req_id = request.request_id
         self.running.append(request)
+        self.running_block_ids.append(new_block_ids)
         self.num_scheduled_tokens[req_id] = num_new
-        self.new_block_ids[req_id] = new_block_ids
         self.token_budget -= num_new
         if request.spec_token_ids:
             drafts = spec_decode.take_scheduled_drafts(request, num_new)
@@ -107,6 +109,8 @@ class StepPlan:
         self.new_block_ids.pop(req_id, None)
         self.spec_tokens.pop(req_id, None)
         self.encoder_inputs.pop(req_id, None)
+        if request in self.running:
+            del self.running_block_ids[self.running.index(request)]
         for scheduled in (self.running, self.new, self.resumed):
             if request in scheduled:
                 scheduled.remove(request)
