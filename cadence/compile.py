@@ -38,6 +38,7 @@ MODULES = (
     "cadence.core.kv_cache.groups",
     "cadence.core.kv_cache.hashing",
     "cadence.core.kv_cache.hybrid",
+    "cadence.core.kv_cache.interface",
     "cadence.core.kv_cache.manager",
     "cadence.core.sched.absorb",
     "cadence.core.sched.admission",

@@ -77,11 +77,12 @@ class SimRunner(RunnerBase):
             num_tokens.pop(req_id, None)
         new_reqs = scheduler_output.scheduled_new_reqs
         cached = scheduler_output.scheduled_cached_reqs
-        # Every scheduled request, and the tokens it had computed before this step.
+        # Every scheduled request, and the tokens it had computed before this
+        # step: the running ones first, as the scheduler lists them.
         req_ids, computed = cached.req_ids, cached.num_computed_tokens
         if new_reqs:
-            req_ids = [r.req_id for r in new_reqs] + req_ids
-            computed = [r.num_computed_tokens for r in new_reqs] + computed
+            req_ids = req_ids + [r.req_id for r in new_reqs]
+            computed = computed + [r.num_computed_tokens for r in new_reqs]
             for new_req in new_reqs:
                 num_tokens[new_req.req_id] = KnownTokens(len(new_req.prompt_token_ids) + len(new_req.output_token_ids))
         # One pass: sample where this step reaches the known tokens' end (with

@@ -31,6 +31,7 @@ from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from cadence.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from cadence.core.kv_cache.groups import blocks_per_request, first_entry_in_window
 from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, ROOT_HASH, extend_block_hashes
+from cadence.core.kv_cache.interface import KVCacheManagerBase
 from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
@@ -38,7 +39,7 @@ GroupBlocks = tuple[list[KVCacheBlock], ...]
 GroupBlockIds = tuple[list[int], ...]
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(KVCacheManagerBase):
     """Owns the block pool and, per request, one block list per group."""
 
     num_reserved_blocks = 1  # the null block

@@ -21,6 +21,7 @@ from typing import Any
 from cadence.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from cadence.core.kv_cache.events import KVCacheEvent
 from cadence.core.kv_cache.hashing import BLOCK_HASH_FNS, extend_block_hashes
+from cadence.core.kv_cache.interface import KVCacheManagerBase
 from cadence.core.outputs import PrefixCacheStats
 from cadence.core.request import Request, RequestStatus
 
@@ -31,7 +32,7 @@ from cadence.core.request import Request, RequestStatus
 NO_NEW_BLOCKS: list[int] = []
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheManagerBase):
     """Owns the block pool and each request's block list (one group of layers;
     ``HybridKVCacheManager`` keeps one list per group)."""
 

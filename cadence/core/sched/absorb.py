@@ -36,7 +36,7 @@ from cadence.core.sched.lifecycle import RequestLifecycle
 from cadence.core.sched.stop import append_token, append_tokens
 
 if TYPE_CHECKING:
-    from cadence.core.kv_cache import AnyKVCacheManager
+    from cadence.core.kv_cache.interface import KVCacheManagerBase
     from cadence.core.sched.kv_connector import KVConnectorBase
     from cadence.core.sched.output import SchedulerOutput
     from cadence.core.sched.structured_output import StructuredOutputManager
@@ -56,7 +56,7 @@ class OutputAbsorber(RequestLifecycle):
 
     # The scheduler's state these methods read and change (see Scheduler.__init__).
     requests: dict[str, Request]
-    kv_cache_manager: AnyKVCacheManager
+    kv_cache_manager: KVCacheManagerBase
     connector: KVConnectorBase | None
     structured_output_manager: StructuredOutputManager | None
     # Ids whose remote KV arrived -> how many of their leading blocks hold
@@ -76,6 +76,10 @@ class OutputAbsorber(RequestLifecycle):
         """
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
+        # A runner that keeps the scheduler's order has request i in row i:
+        # checked by identity, else looked up.
+        runner_req_ids = model_runner_output.req_ids
+        num_rows = len(runner_req_ids)
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
         requests = self.requests
@@ -87,11 +91,14 @@ class OutputAbsorber(RequestLifecycle):
         # The outputs of the last request's client (most steps serve one client).
         client = 0
         client_outputs: list[EngineCoreOutput] | None = None
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for position, req_id in enumerate(scheduler_output.num_scheduled_tokens):
             request = requests.get(req_id)
             if request is None or request.status > _PREEMPTED:
                 continue  # finished (e.g. aborted) while the step ran
-            index = req_id_to_index[req_id]
+            if position < num_rows and runner_req_ids[position] is req_id:
+                index = position
+            else:
+                index = req_id_to_index[req_id]
             new_token_ids = sampled_token_ids[index] if sampled_token_ids else []
             if plain_step and len(new_token_ids) == 1 and request.fork_point is None:
                 if request.num_output_placeholders:

@@ -32,7 +32,7 @@ from cadence.core.sched.interface import SchedulerInterface
 
 if TYPE_CHECKING:
     from cadence.config import SchedulerConfig
-    from cadence.core.kv_cache import AnyKVCacheManager
+    from cadence.core.kv_cache.interface import KVCacheManagerBase
     from cadence.core.sched.encoder import EncoderCacheManager
     from cadence.core.sched.kv_connector import KVConnectorBase
     from cadence.core.sched.parallel_sampling import ForkRegistry
@@ -60,7 +60,7 @@ class RequestLifecycle(SchedulerInterface):
     requests: dict[str, Request]
     running: list[Request]
     waiting: RequestQueue
-    kv_cache_manager: AnyKVCacheManager
+    kv_cache_manager: KVCacheManagerBase
     encoder_cache_manager: EncoderCacheManager
     connector: KVConnectorBase | None
     structured_output_manager: StructuredOutputManager | None

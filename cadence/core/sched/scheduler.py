@@ -35,7 +35,7 @@ import enum
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 from cadence.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from cadence.core.kv_cache import KVCacheLayout, make_kv_cache_manager
@@ -223,7 +223,7 @@ class Scheduler(OutputAbsorber):
         config = self.config
         threshold = config.long_prefill_token_threshold
         max_model_len = self.max_model_len
-        allocate = self.kv_cache_manager.allocate_slots
+        kv = self.kv_cache_manager
         lookahead = self.num_lookahead_tokens
         unsent = self.unsent_running
         if requests is not None:
@@ -268,7 +268,7 @@ class Scheduler(OutputAbsorber):
                 num_new = plan.add_encoder_inputs(request, num_new, self.encoder_cache_manager)
                 if num_new <= 0:
                     continue
-            new_block_ids = allocate(request, num_new, 0, None, lookahead, True)
+            new_block_ids = kv.allocate_slots(request, num_new, 0, None, lookahead, True)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_allocated(request, num_new, plan)
                 if new_block_ids is None:
@@ -523,9 +523,8 @@ class Scheduler(OutputAbsorber):
             plan.drop_encoder_inputs(request, self.encoder_cache_manager)
             return Admission.STOP
         if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request, kv.req_to_blocks[request.request_id], num_external
-            )
+            blocks = cast(Any, kv).req_to_blocks[request.request_id]  # (one list, or one per group)
+            self.connector.update_state_after_alloc(request, blocks, num_external)
         if load_async:
             self._start_remote_kv_load(request, num_computed)
             return Admission.SKIPPED
