@@ -129,6 +129,13 @@ class SchedulerConfig:
         False, "Never split a multimodal item's placeholder tokens across steps. "
                "Scheduler only: engines refuse it until a multimodal model can be served."
     )
+    step_time_target_s: float | None = option(
+        None, "Admit a waiting request only while the step-time model (fitted online to this "
+              "engine's steps) predicts that a step of one token for every running request, "
+              "the newcomer's included, takes at most this many seconds: the running batch "
+              "stays as large as this machine decodes within it, and later requests queue "
+              "(None or 0: no bound but max_num_seqs; cadence serve's default: 0.05)."
+    )
     admission_safety_margin: float = option(
         0.0,
         "Admit no new request while fewer than this fraction of KV blocks are free "
@@ -153,6 +160,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.step_time_target_s is None or 0 <= self.step_time_target_s < float("inf"),
+                 "step_time_target_s", "must be a number of seconds >= 0 (0: no bound)")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(

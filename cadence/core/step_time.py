@@ -1,10 +1,14 @@
 """A step's duration predicted from its token count, learned online.
 
-The ``slo`` policy predicts prefill times with it; the runner's draft gate
-(speculative decoding) prices a verified position with it.
+The ``slo`` policy predicts prefill times with it; the scheduler bounds its
+running batch by it (``step_time_target_s``); the runner's draft gate
+(speculative decoding) prices a verified position with it. ``StepTimer``
+feeds it a busy engine's steps as its scheduler sees them.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 
 class StepTimeModel:
@@ -37,3 +41,31 @@ class StepTimeModel:
         xp = (x[0] * p[0][0] + x[1] * p[1][0], x[0] * p[0][1] + x[1] * p[1][1])
         self.p = [[(p[i][j] - gain[i] * xp[j]) / lam for j in range(2)] for i in range(2)]
         self.num_observed += 1
+
+
+class StepTimer:
+    """Times a busy engine's steps on its scheduler's clock (wall time when
+    serving, the virtual clock in the simulator): the time from one
+    ``schedule`` call to the next is the earlier step's, whose token count the
+    scheduler gave at the end of that call. A gap far beyond the prediction
+    was the engine idling, not computing, and is not learned."""
+
+    def __init__(self, clock: Callable[[], float], model: StepTimeModel | None = None) -> None:
+        self.clock = clock
+        self.model = model if model is not None else StepTimeModel()
+        self._last_start: float | None = None
+        self._last_tokens = 0
+
+    def step_begins(self) -> None:
+        """A ``schedule`` call starts: the previous step has run."""
+        now = self.clock()
+        if self._last_start is not None and self._last_tokens:
+            elapsed = now - self._last_start
+            if elapsed < 10 * self.model.predict(self._last_tokens) or self.model.num_observed < 3:
+                self.model.observe(self._last_tokens, elapsed)
+        self._last_start = now
+        self._last_tokens = 0
+
+    def step_planned(self, num_tokens: int) -> None:
+        """The step just scheduled computes ``num_tokens`` tokens."""
+        self._last_tokens = num_tokens

@@ -95,17 +95,31 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = server_config_from_args(args)
+    return run_server(config, serving_engine_options(args))  # a Hub id is fetched as the app is built
+
+
+def serving_engine_options(args: argparse.Namespace):
+    """The engine's options for ``cadence serve``: those given, and the
+    serving defaults where none is (every core, the step-time target)."""
     from cadence.config import EngineOptions
 
-    config = server_config_from_args(args)
     engine_options = options_of(args)
     if args.model_tag is not None:
         if engine_options.get("model", args.model_tag) != args.model_tag:
             raise ValueError(f"model: named twice, {args.model_tag} and --model {engine_options['model']}")
         engine_options["model"] = args.model_tag
     engine_options.setdefault("num_threads", serving_threads())
-    options = EngineOptions.from_kwargs(**engine_options)
-    return run_server(config, options)  # a Hub id is fetched as the app is built (ServerState)
+    engine_options.setdefault("step_time_target_s", SERVING_STEP_TIME_TARGET_S)
+    return EngineOptions.from_kwargs(**engine_options)
+
+
+# A served stream's time per output token, as the running batch grows: a step
+# of one token for every running request is kept under 50 ms (20 tokens/s a
+# stream) where the step-time model says this machine can, and later requests
+# queue. Without a bound, a 2-core CPU ran 40-64 streams at 4-8 requests/s, each
+# slower than llama-server's 16 slots gave (BENCHMARKS.md, serve-vs-llama-server-v1).
+SERVING_STEP_TIME_TARGET_S = 0.05
 
 
 def serving_threads() -> int:

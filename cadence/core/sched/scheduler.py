@@ -58,6 +58,7 @@ from cadence.core.sched.prefill_caps import is_prefilling
 from cadence.core.sched.policy import configured_policy
 from cadence.core.sched.step import StepPlan
 from cadence.core.sched.structured_output import can_fill_ahead
+from cadence.core.step_time import StepTimeModel, StepTimer
 
 if TYPE_CHECKING:
     from cadence.core.kv_cache import BlockIds
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
     from cadence.core.sched.structured_output import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
+# Steps the step-time model sees before it bounds the running batch (step_time_target_s).
+MIN_STEPS_TIMED = 8
 _WAITING = RequestStatus.WAITING
 
 
@@ -141,6 +144,12 @@ class Scheduler(OutputAbsorber):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.admission = make_admission_policy(scheduler_config.admission_safety_margin)
+        # step_time_target_s: the engine's steps, timed on this clock, bound the running batch.
+        self.step_time_target_s = scheduler_config.step_time_target_s or None  # (0: no bound)
+        self._step_timer = (
+            StepTimer(clock, StepTimeModel(per_token_doubt=1.0))
+            if self.step_time_target_s is not None else None
+        )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_tokens)
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -193,6 +202,8 @@ class Scheduler(OutputAbsorber):
 
     def schedule(self) -> SchedulerOutput:
         self._apply_cancellations()
+        if self._step_timer is not None:
+            self._step_timer.step_begins()
         if self._begin_step is not None:
             self._begin_step(self.running)
         budget = self.max_num_scheduled_tokens
@@ -212,7 +223,24 @@ class Scheduler(OutputAbsorber):
             # be admitted after all: an empty step helps nobody (and, while
             # they hold the blocks it needs, would repeat for ever).
             self._schedule_running(plan, deferred, honour_deferral=False)
+        if self._step_timer is not None:
+            self._step_timer.step_planned(plan.token_limit - plan.token_budget)
         return self._make_output(plan)
+
+    def running_seats(self) -> int:
+        """How many requests may run at once now: ``max_num_seqs``, or fewer
+        where ``step_time_target_s`` is set and the step-time model, once it
+        has seen a few steps, predicts that a step of one token per running
+        request would pass the target with more (never fewer than one)."""
+        seats = self.max_num_running_reqs
+        timer = self._step_timer
+        if timer is None or timer.model.num_observed < MIN_STEPS_TIMED or self.step_time_target_s is None:
+            return seats
+        base_s, per_token_s = timer.model.theta
+        if per_token_s <= 0:
+            return seats
+        fits = int((self.step_time_target_s - base_s) / per_token_s)
+        return max(1, min(seats, fits))
 
     def _schedule_running(
         self, plan: StepPlan, requests: list[Request] | None = None, honour_deferral: bool = True
@@ -354,6 +382,7 @@ class Scheduler(OutputAbsorber):
         caps = plan.prefill_caps
         if (self.finished_recving_kv_req_ids or self._loaded_waiting) and not self._admit_loaded(plan):
             return
+        seats = self.running_seats()
         while waiting and plan.token_budget > 0:
             request = waiting.peek_request()
             if self._grammar_failed(request):
@@ -365,7 +394,7 @@ class Scheduler(OutputAbsorber):
                     error = f"structured_outputs: {error}"
                 self._abort_unservable(request, error)
                 continue
-            if len(self.running) >= self.max_num_running_reqs and not self._displace_for(request, plan):
+            if len(self.running) >= seats and not self._displace_for(request, plan):
                 break
             if plan.preempted and request in plan.preempted:
                 # Displaced in this very step: it does not come back in the same one

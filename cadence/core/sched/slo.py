@@ -29,7 +29,7 @@ from typing import Callable
 
 from cadence.core.request import Request
 from cadence.core.sched.policy import AdmissionRefused, KeyedQueue, SchedulingPolicy
-from cadence.core.step_time import StepTimeModel
+from cadence.core.step_time import StepTimer
 
 _INF = float("inf")
 
@@ -48,10 +48,8 @@ class SLOPolicy(SchedulingPolicy):
         self.default_tpot_s: float | None = None
         self.reject = False
         self.token_budget = 2048
-        self.model = StepTimeModel()
-        self.clock: Callable[[], float] = time.time
-        self._last_schedule: float | None = None
-        self._last_tokens = 0
+        self.timer = StepTimer(time.time)
+        self.model = self.timer.model
         self._queue: KeyedQueue | None = None
 
     # ---- set-up -----------------------------------------------------------
@@ -73,7 +71,7 @@ class SLOPolicy(SchedulingPolicy):
         return self.reject
 
     def set_clock(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
+        self.timer.clock = clock
 
     def make_queue(self) -> KeyedQueue:
         # Latest start first (targets before batch work, inf), then arrival order.
@@ -126,14 +124,8 @@ class SLOPolicy(SchedulingPolicy):
     def account(self, scheduled: dict[str, int], requests: dict[str, Request],
                 running: list[Request]) -> None:
         """Time the previous step by this call's clock; remember this step's size."""
-        now = self.clock()
-        if self._last_schedule is not None and self._last_tokens:
-            elapsed = now - self._last_schedule
-            # A gap far beyond the prediction was the engine idling, not computing.
-            if elapsed < 10 * self.model.predict(self._last_tokens) or self.model.num_observed < 3:
-                self.model.observe(self._last_tokens, elapsed)
-        self._last_schedule = now
-        self._last_tokens = sum(scheduled.values())
+        self.timer.step_begins()
+        self.timer.step_planned(sum(scheduled.values()))
 
     def check_admission(self, request: Request) -> None:
         """With ``slo_reject``: refuse a request whose TTFT target is already out of reach."""

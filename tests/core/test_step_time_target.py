@@ -1,0 +1,90 @@
+"""step_time_target_s: the running batch grows only while the step-time model
+predicts a step of one token per running request within the target."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.config import SchedulerConfig
+from cadence.core.sched.scheduler import MIN_STEPS_TIMED
+from cadence.core.step_time import StepTimeModel, StepTimer
+from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
+
+BASE_S, PER_TOKEN_S = 0.010, 0.002  # the simulated engine: 10 ms + 2 ms a token
+
+
+class SteppedClock:
+    """A clock that advances by the last step's cost when the step has run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, num_tokens: int) -> None:
+        self.now += BASE_S + PER_TOKEN_S * num_tokens
+
+
+def run_timed(target_s: float | None, num_requests: int = 60, max_tokens: int = 120, **options):
+    """Two requests arrive before each step until all have; the clock runs each step's cost."""
+    clock = SteppedClock()
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2000,
+                               step_time_target_s=target_s, clock=clock, **options)
+    runner = ModelRunnerSim(4)
+    running, finished, num_added = [], set(), 0
+    while num_added < num_requests or scheduler.has_requests():
+        for i in range(num_added, min(num_added + 2, num_requests)):
+            scheduler.add_request(make_request(f"r{i}", 6, max_tokens=max_tokens))
+        num_added = min(num_added + 2, num_requests)
+        output, engine_outputs = step(scheduler, runner)
+        clock.run(output.total_num_scheduled_tokens)
+        running.append(len(scheduler.running))
+        finished.update(o.request_id for o in engine_outputs if o.finish_reason is not None)
+    return scheduler, running, finished
+
+
+def test_the_running_batch_holds_what_the_target_allows():
+    # 10 ms + 2 ms a token: 20 decodes make a 50 ms step.
+    scheduler, running, finished = run_timed(0.05)
+    assert len(finished) == 60  # every request ran: later ones queued, none starved
+    assert max(running) <= 20 + 2 * MIN_STEPS_TIMED  # before the model learned: 2 a step
+    assert 18 <= running[len(running) // 2] <= 20
+    assert scheduler.running_seats() == 20
+
+
+def test_without_a_target_max_num_seqs_is_the_only_bound():
+    _, running, finished = run_timed(None)
+    assert len(finished) == 60 and max(running) == 60
+
+
+@pytest.mark.parametrize("target_s", [0, None])
+def test_zero_or_none_is_no_bound(target_s):
+    scheduler, running, _ = run_timed(target_s)
+    assert max(running) == 60 and scheduler.running_seats() == 64
+
+
+def test_a_target_no_step_meets_still_runs_one_request_at_a_time():
+    scheduler, running, finished = run_timed(0.005, num_requests=30, max_tokens=30)
+    assert len(finished) == 30
+    assert scheduler.running_seats() == 1
+    assert max(running[-20:]) == 1  # the last ones, one by one
+
+
+def test_the_target_is_checked():
+    with pytest.raises(ValueError, match="step_time_target_s"):
+        SchedulerConfig(step_time_target_s=-0.01)
+
+
+def test_the_timer_learns_steps_and_skips_idle_gaps():
+    now = [0.0]
+    timer = StepTimer(lambda: now[0], StepTimeModel(per_token_doubt=1.0))
+    for tokens in [10, 40, 20, 80, 5, 60, 30, 70] * 3:
+        timer.step_begins()
+        timer.step_planned(tokens)
+        now[0] += BASE_S + PER_TOKEN_S * tokens
+    timer.step_begins()
+    timer.step_planned(10)
+    now[0] += 100.0  # the engine idled
+    timer.step_begins()
+    assert timer.model.predict(50) == pytest.approx(BASE_S + PER_TOKEN_S * 50, rel=0.02)
