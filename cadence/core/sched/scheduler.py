@@ -67,9 +67,9 @@ if TYPE_CHECKING:
     from cadence.core.sched.structured_output import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
 # Steps the step-time model sees before it bounds the running batch (step_time_target_s).
 MIN_STEPS_TIMED = 8
-_WAITING = RequestStatus.WAITING
 
 
 class Admission(enum.Enum):
