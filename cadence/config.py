@@ -134,7 +134,7 @@ class SchedulerConfig:
               "engine's steps) predicts that a step of one token for every running request, "
               "the newcomer's included, takes at most this many seconds: the running batch "
               "stays as large as this machine decodes within it, and later requests queue "
-              "(None or 0: no bound but max_num_seqs; cadence serve's default: 0.05)."
+              "(None or 0: no bound but max_num_seqs)."
     )
     admission_safety_margin: float = option(
         0.0,

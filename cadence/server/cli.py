@@ -101,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serving_engine_options(args: argparse.Namespace):
     """The engine's options for ``cadence serve``: those given, and the
-    serving defaults where none is (every core, the step-time target)."""
+    serving defaults where none is (every core)."""
     from cadence.config import EngineOptions
 
     engine_options = options_of(args)
@@ -110,16 +110,7 @@ def serving_engine_options(args: argparse.Namespace):
             raise ValueError(f"model: named twice, {args.model_tag} and --model {engine_options['model']}")
         engine_options["model"] = args.model_tag
     engine_options.setdefault("num_threads", serving_threads())
-    engine_options.setdefault("step_time_target_s", SERVING_STEP_TIME_TARGET_S)
     return EngineOptions.from_kwargs(**engine_options)
-
-
-# A served stream's time per output token, as the running batch grows: a step
-# of one token for every running request is kept under 50 ms (20 tokens/s a
-# stream) where the step-time model says this machine can, and later requests
-# queue. Without a bound, a 2-core CPU ran 40-64 streams at 4-8 requests/s, each
-# slower than llama-server's 16 slots gave (BENCHMARKS.md, serve-vs-llama-server-v1).
-SERVING_STEP_TIME_TARGET_S = 0.05
 
 
 def serving_threads() -> int:

@@ -16,12 +16,12 @@ from cadence.engine import wire
 from cadence.sampling_params import SamplingParams
 from cadence.server.bench import arrival_gaps, percentiles
 from cadence.server.cli import (
-    SERVING_STEP_TIME_TARGET_S,
     add_bench_serve_parser,
     add_serve_parser,
     build_parser,
     server_config_from_args,
     serving_engine_options,
+    serving_threads,
 )
 from cadence.server.errors import field_of
 from cadence.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -43,13 +43,13 @@ def test_serve_parser_defaults_and_engine_options():
     assert "--max-num-queued-requests" in help_text and "Token budget of one step" in help_text
 
 
-def test_serve_bounds_the_running_batch_by_step_time_unless_told():
+def test_serve_takes_a_step_time_target_and_every_core():
     parser = argparse.ArgumentParser(prog="cadence")
     add_serve_parser(parser.add_subparsers(dest="command"))
-    targets = [serving_engine_options(parser.parse_args(["serve", *flags])).scheduler.step_time_target_s
-               for flags in ([], ["--step-time-target-s", "0.1"], ["--step-time-target-s", "0"])]
-    assert targets == [SERVING_STEP_TIME_TARGET_S, 0.1, 0.0]
-    assert EngineOptions.from_kwargs().scheduler.step_time_target_s is None  # offline: no bound
+    options = [serving_engine_options(parser.parse_args(["serve", *flags]))
+               for flags in ([], ["--step-time-target-s", "0.05"])]
+    assert [o.scheduler.step_time_target_s for o in options] == [None, 0.05]
+    assert options[0].engine.num_threads == serving_threads()
 
 
 def test_bench_parser():
