@@ -110,8 +110,9 @@ class StepPlan:
         self.spec_tokens.pop(req_id, None)
         self.encoder_inputs.pop(req_id, None)
         if request in self.running:
-            del self.running_block_ids[self.running.index(request)]
-        for scheduled in (self.running, self.new, self.resumed):
+            index = self.running.index(request)
+            del self.running[index], self.running_block_ids[index]
+        for scheduled in (self.new, self.resumed):
             if request in scheduled:
                 scheduled.remove(request)
         if req_id in self._structured:
