@@ -134,7 +134,14 @@ class SchedulerConfig:
               "engine's steps) predicts that a step of one token for every running request, "
               "the newcomer's included, takes at most this many seconds: the running batch "
               "stays as large as this machine decodes within it, and later requests queue "
-              "(None or 0: no bound but max_num_seqs)."
+              "(None or 0: no bound but max_num_seqs). The target is never below twice a "
+              "single stream's step, so a slow model still batches."
+    )
+    step_time_max_wait_s: float | None = option(
+        None, "With step_time_target_s: a request that has waited this many seconds is "
+              "admitted past the bound while the queue is short (at most a quarter of the "
+              "seats the bound gives, at least one request): a burst at light load is not "
+              "held back, a queue under sustained load still is (None: never)."
     )
     admission_safety_margin: float = option(
         0.0,
@@ -162,6 +169,10 @@ class SchedulerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.step_time_target_s is None or 0 <= self.step_time_target_s < float("inf"),
                  "step_time_target_s", "must be a number of seconds >= 0 (0: no bound)")
+        _require(self.step_time_max_wait_s is None or 0 <= self.step_time_max_wait_s < float("inf"),
+                 "step_time_max_wait_s", "must be a number of seconds >= 0")
+        _require(self.step_time_max_wait_s is None or bool(self.step_time_target_s), "step_time_max_wait_s",
+                 "lets requests past step_time_target_s's bound, so it needs step_time_target_s")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(

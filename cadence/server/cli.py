@@ -101,7 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serving_engine_options(args: argparse.Namespace):
     """The engine's options for ``cadence serve``: those given, and the
-    serving defaults where none is (every core)."""
+    serving defaults where none is (every core, the step-time bound and its
+    burst wait)."""
     from cadence.config import EngineOptions
 
     engine_options = options_of(args)
@@ -110,7 +111,22 @@ def serving_engine_options(args: argparse.Namespace):
             raise ValueError(f"model: named twice, {args.model_tag} and --model {engine_options['model']}")
         engine_options["model"] = args.model_tag
     engine_options.setdefault("num_threads", serving_threads())
+    engine_options.setdefault("step_time_target_s", SERVING_STEP_TIME_TARGET_S)
+    if engine_options["step_time_target_s"]:
+        engine_options.setdefault("step_time_max_wait_s", SERVING_STEP_TIME_MAX_WAIT_S)
     return EngineOptions.from_kwargs(**engine_options)
+
+
+# A served stream's time per output token as the running batch grows: a step
+# of one token for every running request is kept under 50 ms (20 tokens/s a
+# stream) where the step-time model says this machine can, and later requests
+# queue. Without a bound a 2-core CPU ran 40-64 streams at 4-8 requests/s, each
+# slower than llama-server's 16 slots gave; with it alone a Poisson burst at 1
+# request/s queued past the 2 s TTFT of the serving SLO on Gemma 3 270M, so a
+# request that waited half a second (a quarter of that) runs past the bound
+# while the queue is short (BENCHMARKS.md, serve-vs-llama-server-v1).
+SERVING_STEP_TIME_TARGET_S = 0.05
+SERVING_STEP_TIME_MAX_WAIT_S = 0.5
 
 
 def serving_threads() -> int:

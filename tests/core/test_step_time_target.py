@@ -35,7 +35,7 @@ def run_timed(target_s: float | None, num_requests: int = 60, max_tokens: int = 
     running, finished, num_added = [], set(), 0
     while num_added < num_requests or scheduler.has_requests():
         for i in range(num_added, min(num_added + 2, num_requests)):
-            scheduler.add_request(make_request(f"r{i}", 6, max_tokens=max_tokens))
+            scheduler.add_request(make_request(f"r{i}", 6, max_tokens=max_tokens, arrival_time=clock.now))
         num_added = min(num_added + 2, num_requests)
         output, engine_outputs = step(scheduler, runner)
         clock.run(output.total_num_scheduled_tokens)
@@ -64,16 +64,65 @@ def test_zero_or_none_is_no_bound(target_s):
     assert max(running) == 60 and scheduler.running_seats() == 64
 
 
-def test_a_target_no_step_meets_still_runs_one_request_at_a_time():
+def test_a_target_below_a_single_streams_step_still_batches():
+    # One stream's step is 12 ms: the target counts as twice that, 24 ms, 7 decodes.
     scheduler, running, finished = run_timed(0.005, num_requests=30, max_tokens=30)
     assert len(finished) == 30
-    assert scheduler.running_seats() == 1
-    assert max(running[-20:]) == 1  # the last ones, one by one
+    assert scheduler.running_seats() == 7
+    assert max(running[len(running) // 2:]) == 7
+
+
+def run_burst(burst: int, max_wait_s: float | None, num_steps: int = 40):
+    """20 long decodes fill the seats a 50 ms target gives; then ``burst``
+    requests arrive at once. Returns how many run after each later step."""
+    clock = SteppedClock()
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2000,
+                               step_time_target_s=0.05, step_time_max_wait_s=max_wait_s, clock=clock)
+    runner = ModelRunnerSim(4)
+    for i in range(20):
+        scheduler.add_request(make_request(f"long{i}", 6, max_tokens=1000))
+    for _ in range(2 * MIN_STEPS_TIMED):
+        output, _ = step(scheduler, runner)
+        clock.run(output.total_num_scheduled_tokens)
+    # All 20 started before the model had seen enough steps; it now gives about 20 seats
+    # (every step so far had the same 20 tokens: a fit near, not on, the engine's).
+    assert 18 <= scheduler.running_seats() <= 20 == len(scheduler.running)
+    arrived = clock.now
+    for i in range(burst):
+        scheduler.add_request(make_request(f"burst{i}", 6, max_tokens=1000, arrival_time=arrived))
+    running = []
+    for _ in range(num_steps):
+        output, _ = step(scheduler, runner)
+        clock.run(output.total_num_scheduled_tokens)
+        running.append((clock.now - arrived, len(scheduler.running)))
+    return running
+
+
+def test_a_short_burst_runs_past_the_bound_once_it_waited():
+    # 3 waiting, at most a quarter of the ~20 seats: a burst. Each waits 0.5 s, then all run.
+    running = run_burst(3, 0.5)
+    assert all(n == 20 for waited, n in running if waited < 0.5)
+    assert running[-1][1] == 23
+    assert all(n == 23 for waited, n in running if waited >= 0.5 + 0.06)  # the next step after 0.5 s
+
+
+def test_without_a_wait_a_burst_waits_for_seats():
+    assert {n for _, n in run_burst(3, None)} == {20}
+
+
+def test_a_long_queue_is_held_by_the_bound_however_long_it_waits():
+    # 8 waiting: more than a quarter of the seats, sustained load, not a burst.
+    running = run_burst(8, 0.5)
+    assert running[-1][0] > 1.5 and {n for _, n in running} == {20}
 
 
 def test_the_target_is_checked():
     with pytest.raises(ValueError, match="step_time_target_s"):
         SchedulerConfig(step_time_target_s=-0.01)
+    with pytest.raises(ValueError, match="step_time_max_wait_s"):
+        SchedulerConfig(step_time_target_s=0.05, step_time_max_wait_s=-1)
+    with pytest.raises(ValueError, match="step_time_max_wait_s: .*needs step_time_target_s"):
+        SchedulerConfig(step_time_max_wait_s=0.5)
 
 
 def test_the_timer_learns_steps_and_skips_idle_gaps():

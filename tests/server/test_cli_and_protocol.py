@@ -47,8 +47,10 @@ def test_serve_takes_a_step_time_target_and_every_core():
     parser = argparse.ArgumentParser(prog="cadence")
     add_serve_parser(parser.add_subparsers(dest="command"))
     options = [serving_engine_options(parser.parse_args(["serve", *flags]))
-               for flags in ([], ["--step-time-target-s", "0.05"])]
-    assert [o.scheduler.step_time_target_s for o in options] == [None, 0.05]
+               for flags in ([], ["--step-time-target-s", "0.08", "--step-time-max-wait-s", "1"],
+                             ["--step-time-target-s", "0"])]
+    assert [(o.scheduler.step_time_target_s, o.scheduler.step_time_max_wait_s) for o in options] == [
+        (0.05, 0.5), (0.08, 1.0), (0, None)]
     assert options[0].engine.num_threads == serving_threads()
 
 

@@ -146,6 +146,8 @@ class Scheduler(OutputAbsorber):
         self.admission = make_admission_policy(scheduler_config.admission_safety_margin)
         # step_time_target_s: the engine's steps, timed on this clock, bound the running batch.
         self.step_time_target_s = scheduler_config.step_time_target_s or None  # (0: no bound)
+        self.step_time_max_wait_s = scheduler_config.step_time_max_wait_s
+        self._clock = clock
         self._step_timer = (
             StepTimer(clock, StepTimeModel(per_token_doubt=1.0))
             if self.step_time_target_s is not None else None
@@ -239,8 +241,24 @@ class Scheduler(OutputAbsorber):
         base_s, per_token_s = timer.model.theta
         if per_token_s <= 0:
             return seats
-        fits = int((self.step_time_target_s - base_s) / per_token_s)
+        # Never below twice a single stream's step: a model whose one-token step
+        # is near the target would otherwise serve one stream at a time.
+        target_s = max(self.step_time_target_s, 2 * (base_s + per_token_s))
+        fits = int((target_s - base_s) / per_token_s)
         return max(1, min(seats, fits))
+
+    def _burst_admits(self, request: Request, seats: int) -> bool:
+        """Whether ``request`` runs past the step-time bound: it waited
+        ``step_time_max_wait_s`` while the queue is short (a burst; a long
+        queue is sustained load, which the bound holds back). ``max_num_seqs``
+        is never passed."""
+        max_wait_s = self.step_time_max_wait_s
+        return (
+            max_wait_s is not None
+            and len(self.running) < self.max_num_running_reqs
+            and len(self.waiting) <= max(1, seats // 4)
+            and self._clock() - request.arrival_time >= max_wait_s
+        )
 
     def _schedule_running(
         self, plan: StepPlan, requests: list[Request] | None = None, honour_deferral: bool = True
@@ -394,7 +412,8 @@ class Scheduler(OutputAbsorber):
                     error = f"structured_outputs: {error}"
                 self._abort_unservable(request, error)
                 continue
-            if len(self.running) >= seats and not self._displace_for(request, plan):
+            if (len(self.running) >= seats and not self._burst_admits(request, seats)
+                    and not self._displace_for(request, plan)):
                 break
             if plan.preempted and request in plan.preempted:
                 # Displaced in this very step: it does not come back in the same one
