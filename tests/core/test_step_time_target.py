@@ -25,20 +25,32 @@ class SteppedClock:
     def run(self, num_tokens: int) -> None:
         self.now += BASE_S + PER_TOKEN_S * num_tokens
 
+    def run_step(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """A decoded token costs PER_TOKEN_S, a prompt token a tenth of it."""
+        decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
+        prompt = sum(n for n in num_scheduled_tokens.values() if n > 1)
+        self.now += BASE_S + PER_TOKEN_S * (decodes + prompt / 10)
 
-def run_timed(target_s: float | None, num_requests: int = 60, max_tokens: int = 120, **options):
-    """Two requests arrive before each step until all have; the clock runs each step's cost."""
+
+def run_timed(target_s: float | None, num_requests: int = 60, max_tokens: int = 120, prompt_len: int = 6,
+              **options):
+    """Two requests arrive before every third step until all have; the clock
+    runs each step's cost (the bound learns from the steps without a prompt)."""
     clock = SteppedClock()
     scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2000,
                                step_time_target_s=target_s, clock=clock, **options)
     runner = ModelRunnerSim(4)
     running, finished, num_added = [], set(), 0
+    num_steps = 0
     while num_added < num_requests or scheduler.has_requests():
-        for i in range(num_added, min(num_added + 2, num_requests)):
-            scheduler.add_request(make_request(f"r{i}", 6, max_tokens=max_tokens, arrival_time=clock.now))
-        num_added = min(num_added + 2, num_requests)
+        if num_steps % 3 == 0:
+            for i in range(num_added, min(num_added + 2, num_requests)):
+                scheduler.add_request(make_request(f"r{i}", prompt_len, max_tokens=max_tokens,
+                                                   arrival_time=clock.now))
+            num_added = min(num_added + 2, num_requests)
+        num_steps += 1
         output, engine_outputs = step(scheduler, runner)
-        clock.run(output.total_num_scheduled_tokens)
+        clock.run_step(output.num_scheduled_tokens)
         running.append(len(scheduler.running))
         finished.update(o.request_id for o in engine_outputs if o.finish_reason is not None)
     return scheduler, running, finished
@@ -51,6 +63,16 @@ def test_the_running_batch_holds_what_the_target_allows():
     assert max(running) <= 20 + 2 * MIN_STEPS_TIMED  # before the model learned: 2 a step
     assert 18 <= running[len(running) // 2] <= 20
     assert scheduler.running_seats() == 20
+
+
+def test_the_bound_learns_from_decode_steps_only():
+    # 200-token prompts at a tenth of a decoded token's cost: a fit over every
+    # step would find a smaller per-token cost and a larger base, and more seats.
+    scheduler, running, finished = run_timed(0.05, prompt_len=200)
+    assert len(finished) == 60
+    base_s, per_token_s = scheduler._step_timer.model.theta
+    assert (base_s, per_token_s) == (pytest.approx(BASE_S, rel=0.01), pytest.approx(PER_TOKEN_S, rel=0.01))
+    assert scheduler.running_seats() == 20 and max(running) <= 20
 
 
 def test_without_a_target_max_num_seqs_is_the_only_bound():

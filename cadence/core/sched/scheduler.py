@@ -72,6 +72,19 @@ _WAITING = RequestStatus.WAITING
 MIN_STEPS_TIMED = 8
 
 
+def _decode_step_tokens(plan: StepPlan) -> int:
+    """The step's tokens if every one decodes (drafts included), else 0: the
+    running batch's bound learns decode steps only. A prompt token costs a
+    fraction of a decoded one (the LM head runs on last positions only), so
+    steps mixing both would pull the fit's per-token cost down and its base
+    up, away from what one more running request adds."""
+    if plan.new_block_ids:
+        return 0  # a new or resumed request: its prompt
+    num_tokens = plan.token_limit - plan.token_budget
+    num_drafts = sum(map(len, plan.spec_tokens.values())) if plan.spec_tokens else 0
+    return num_tokens if num_tokens == len(plan.running) + num_drafts else 0
+
+
 class Admission(enum.Enum):
     """What ``_schedule_waiting`` does with the request ``_try_admit`` was given."""
 
@@ -226,7 +239,7 @@ class Scheduler(OutputAbsorber):
             # they hold the blocks it needs, would repeat for ever).
             self._schedule_running(plan, deferred, honour_deferral=False)
         if self._step_timer is not None:
-            self._step_timer.step_planned(plan.token_limit - plan.token_budget)
+            self._step_timer.step_planned(_decode_step_tokens(plan))
         return self._make_output(plan)
 
     def running_seats(self) -> int:
