@@ -4,10 +4,10 @@
 Q6_K, IQ4_NL, IQ4_XS) and x
 rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
 rounds its activations to int8; these steps are 256 times finer;
-``round_activations`` shows the values). A decode step's few rows multiply
-the weight's integers with x's in registers (AVX2, about half the
-instructions of decoding the weights to float32);
-more rows get a few weight rows at a time decoded to float32 and multiplied
+``round_activations`` shows the values). A decode step's few rows (up to
+``direct_max_rows``: 12 with AVX-512, 8 with AVX2) multiply the weight's
+integers with x's in registers, four rows at a time (about half the
+instructions of decoding the weights to float32); more rows get a few weight rows at a time decoded to float32 and multiplied
 with the rounded rows, so the weight's bytes are read once per call and
 their decoding is shared by all rows (prefill, batches). Both compute the
 same product up to the order of float32 sums, so a request's tokens do not
@@ -46,6 +46,8 @@ SIGNATURES = {
     "quant_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _PTR],
     # iterations -> multiply-adds done
     "quant_int16_peak_macs": [_I64],
+    # -> rows up to which products take the integer path
+    "quant_direct_max_rows": [],
 }
 
 
@@ -59,6 +61,8 @@ class QuantMatmul:
         describe = library.quant_matmul_isa
         describe.restype, describe.argtypes = ctypes.c_char_p, []
         self.isa: str = describe().decode()
+        # Rows up to which products stay in integers; more are tiled (row-invariant).
+        self.direct_max_rows: int = self._functions["quant_direct_max_rows"]()
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
         """float32 ``x [M, k] @ W^T`` -> [M, N], W being ``blocks`` uint8 [N, row bytes] of ``type_id``."""

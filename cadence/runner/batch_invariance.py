@@ -15,8 +15,9 @@ each op and what the mode does about it:
     products on oneDNN (packed       one row (gemv)                        2 rows
       float32, bfloat16 on a CPU
       that computes it natively)
-    products on GGUF blocks (C)      up to 4 rows stay in integers, more   5 rows: always the tiled
-                                     are tiled: other float sums           path
+    products on GGUF blocks (C)      up to 12 rows (AVX-512; 8 with AVX2)  13 (9) rows: always the
+                                     stay in integers, more are tiled:     tiled path
+                                     other float sums
     bfloat16 computed in software    at every number of rows               refused
     attention on SDPA                padded batches and key blocks follow  every sequence on the C
                                      the batch's lengths                   kernel, which computes a
@@ -42,10 +43,12 @@ batch-64 throughput (BENCHMARKS.md, batch-invariance-v1, taken with
                                                                attention kernel; one row padded
                                                                to two on oneDNN
     GGUF blocks on the C kernel     0.4%       81%             off: a one-row decode is the
-                                                               integer path, padded to 5 rows
-                                                               it is the tiled path (the other
-                                                               way round, batches in pieces of
-                                                               4 rows, would halve batch 64)
+                                                               integer path, padded past it
+                                                               the tiled path (the other way
+                                                               round, batches in pieces of 4
+                                                               rows, would halve batch 64);
+                                                               measured at 5 rows, before the
+                                                               integer path took up to 12
 
 Not counted: a long prompt's attention on the C kernel instead of SDPA
 costs its prefill 20-33% at 2,000 tokens.
@@ -68,11 +71,11 @@ from cadence.models.quantized import QuantizedTensor
 from cadence.models.row_padding import pad_rows_product
 
 if TYPE_CHECKING:
+    from cadence.kernels.quant_matmul import QuantMatmul
     from cadence.models.llama import LlamaForCausalLM
 
 # Rows from which each kind of product gives every row the value it has in
 # any larger product (see the module doc).
-QUANT_KERNEL_ROWS = 5  # quant_matmul.c: DIRECT_MAX_ROWS (4) rows stay in integers
 ONEDNN_ROWS = 2
 MKL_FLOAT32_ROWS = 16
 # The libraries that compute a model's products.
@@ -174,12 +177,19 @@ def pytorch_min_rows(dtype: torch.dtype) -> int:
     return ONEDNN_ROWS if dtype == torch.bfloat16 else MKL_FLOAT32_ROWS
 
 
+def quant_kernel_min_rows(kernel: "QuantMatmul") -> int:
+    """Rows from which the quantized C kernel gives each row the value it has in
+    any larger product: past its integer path's rows, every product is tiled."""
+    return kernel.direct_max_rows + 1
+
+
 def product_min_rows(model: "LlamaForCausalLM", dtype: torch.dtype) -> tuple[int, bool, bool]:
     """The rows every product of ``model`` needs, whether some run on the quantized C
     kernel, and whether some run in PyTorch (dense, or blocks dequantized per call)."""
     kinds = _product_kinds(model)
-    floors = {QUANT_KERNEL: QUANT_KERNEL_ROWS, ONEDNN: ONEDNN_ROWS,
-              PYTORCH: pytorch_min_rows(dtype)}
+    floors = {ONEDNN: ONEDNN_ROWS, PYTORCH: pytorch_min_rows(dtype)}
+    if QUANT_KERNEL in kinds:
+        floors[QUANT_KERNEL] = quant_kernel_min_rows(model.quant_kernel)
     rows = max(floors[kind] for kind in kinds)
     return rows, QUANT_KERNEL in kinds, bool(kinds - {QUANT_KERNEL})
 

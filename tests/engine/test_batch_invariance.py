@@ -102,13 +102,14 @@ def test_default_model_bfloat16():
 
 def test_the_mode_is_what_makes_the_default_model_invariant():
     """Off, a one-row decode takes the quantized kernel's integer path (AVX2 and AVX-512
-    builds: up to 4 rows), a batch of 8 its tiled path: other float sums, other logprobs. On, both are tiled."""
+    builds: up to 8 or 12 rows), a larger batch its tiled path: other float sums, other
+    logprobs. On, both are tiled."""
     from cadence.kernels.quant_matmul import quant_matmul
 
     kernel = quant_matmul()
     if kernel is None or not kernel.isa.startswith("AVX2 FMA"):
         pytest.skip("the quantized kernel has one path only here")
-    others = [random_prompt(49000, seed) for seed in range(10, 17)]
+    others = [random_prompt(49000, seed) for seed in range(10, 10 + kernel.direct_max_rows)]
     target = random_prompt(49000, 4)
     for mode, expect_equal in (("off", False), ("on", True)):
         llm = default_llm("float32", mode, lora=False)

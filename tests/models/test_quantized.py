@@ -91,7 +91,7 @@ def test_each_path_is_the_one_named():
 def test_product_equals_dequantize_then_matmul(kind, path):
     kernel = kernel_for(path)
     weight, reference = random_matrix(kind, rows=37, cols=512)  # 37: a ragged last tile
-    for num_rows in (1, 3, 4, 9, 70):  # decode in registers (<= 4 rows) and per tile
+    for num_rows in (1, 3, 4, 6, 9, 12, 13, 70):  # in registers, 4 rows at a time (<= 8 or 12), and tiled
         x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
         expected = rounded(x).double() @ reference.double().T
         got = quantized.matmul(x, weight, kernel)
@@ -131,10 +131,28 @@ def test_no_rows_give_an_empty_product(path):
 def test_one_rows_product_does_not_depend_on_its_batch():
     kernel = kernel_for("as-built")
     weight, _ = random_matrix("Q4_1", rows=64, cols=512, seed=4)
-    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
-    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(9)])
+    num_rows = (kernel.direct_max_rows if kernel is not None else 4) + 1
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(num_rows)])
     together = quantized.matmul(x, weight, kernel)  # the tile path
     torch.testing.assert_close(together, alone, atol=2e-6 * alone.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("path", ["as-built", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K", "Q2_K"])
+def test_the_integer_path_computes_each_row_as_alone(kind, path):
+    """Up to ``direct_max_rows`` rows are products in integers, four rows at a
+    time: every row's value is exactly the one it has alone, whichever chunk holds it."""
+    kernel = kernel_for(path)
+    if kernel is None or kernel.direct_max_rows <= 4:
+        pytest.skip("no integer path in chunks in this build")
+    weight, reference = random_matrix(kind, rows=37, cols=512, seed=6)
+    x = torch.randn(kernel.direct_max_rows, 512, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(len(x))])
+    for num_rows in range(5, kernel.direct_max_rows + 1):  # full and ragged last chunks
+        assert torch.equal(quantized.matmul(x[:num_rows], weight, kernel), alone[:num_rows]), num_rows
+    expected = rounded(x).double() @ reference.double().T
+    torch.testing.assert_close(alone.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -6,9 +6,10 @@
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
- *     M <= 4 (decode, AVX2)   each group of a weight row widened to 16-bit
+ *     M <= 8 or 12 (decode)   each group of a weight row widened to 16-bit
  *                             integers in registers and multiplied with the
- *                             M rows' integers (madd), scaled once per group
+ *                             M rows' integers (madd), 4 rows at a time,
+ *                             scaled once per group
  *     more rows               a thread decodes a tile of up to 32 weight rows
  *                             to float32 (<= 96 KiB, in L2) and multiplies it
  *                             with every rounded row of x: decoded once per call
@@ -46,8 +47,21 @@
 /* The decode path's products in 512-bit registers (quant_direct_avx512.h). */
 #define QUANT_AVX512 1
 #endif
+/* Rows of x up to which the integer path runs, in chunks of DIRECT_MAX_ROWS (a
+ * weight row read once serves every chunk from L1); more go to tiles, whose
+ * decoding costs more than the products at these sizes. Where the two cross,
+ * measured on a Zen 5 on SmolLM2-135M's and Gemma 3 270M's decode steps: about
+ * 12 rows with AVX-512 (whole steps 1.6-1.9x faster at 5 rows, even at 12) and
+ * 8-10 with AVX2 (1.6x at 5, even at 10, 15% slower at 12; BENCHMARKS.md,
+ * quant-direct-rows-v1). */
+#ifdef QUANT_AVX512
+#define DIRECT_CHUNKED_MAX_ROWS 12
+#else
+#define DIRECT_CHUNKED_MAX_ROWS 8
+#endif
 #else
 #define DIRECT_MAX_ROWS 0
+#define DIRECT_CHUNKED_MAX_ROWS 0
 #endif
 
 /* Multiply-adds below which a call stays on one thread. */
@@ -456,8 +470,25 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
 #if DIRECT_MAX_ROWS
     const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
     if (rounded.q == NULL) return -2;
+    const int64_t groups = k / GROUP;
+    /* Chunks of up to DIRECT_MAX_ROWS rows of x, each a view into ``rounded``:
+     * a weight row, read from memory once, serves them all from L1. */
+    RoundedGroups chunks[DIRECT_CHUNKED_MAX_ROWS / DIRECT_MAX_ROWS];
+    const int64_t num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
+    for (int64_t j = 0; j < num_chunks; ++j) {
+        const int64_t first = j * DIRECT_MAX_ROWS * groups;
+        chunks[j].q = rounded.q + first * GROUP;
+        chunks[j].d = rounded.d + first;
+        chunks[j].scaled_sum = rounded.scaled_sum + first;
+        chunks[j].half_sums = rounded.half_sums ? rounded.half_sums + 2 * first : NULL;
+    }
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, k / GROUP, &rounded, m, out + c, out_stride);
+    for (int64_t c = 0; c < n; ++c)
+        for (int64_t j = 0; j < num_chunks; ++j) {
+            const int64_t rows = m - j * DIRECT_MAX_ROWS < DIRECT_MAX_ROWS ? m - j * DIRECT_MAX_ROWS : DIRECT_MAX_ROWS;
+            direct_row(type, weight + c * stride, groups, &chunks[j], rows,
+                       out + j * DIRECT_MAX_ROWS * out_stride + c, out_stride);
+        }
     free(rounded.q);
     return 0;
 #else
@@ -523,9 +554,14 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
     const int64_t stride = row_bytes(type, k);
     if (stride < 0 || k % (SUPER_BLOCK_TYPE(type) ? 256 : GROUP)) return -1;
     if (m == 0 || n == 0) return 0;
-    if (m <= DIRECT_MAX_ROWS) return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
+    if (m <= DIRECT_CHUNKED_MAX_ROWS) return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
     return products_of_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
 }
+
+/* Rows of x up to which products take the integer path: from one more, every
+ * row's value is the one it has in any larger product (the batch-invariant mode
+ * pads to it). */
+int quant_direct_max_rows(void) { return DIRECT_CHUNKED_MAX_ROWS; }
 
 /* The peak of the integer products' instruction on one core, for the benchmarks:
  * ``iterations`` rounds of 12 independent 16-bit dot products of 512 bits (or of
