@@ -471,6 +471,12 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
     const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP;
+    if (m <= DIRECT_MAX_ROWS) { /* one chunk: the decode step of a few streams */
+        #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+        for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, groups, &rounded, m, out + c, out_stride);
+        free(rounded.q);
+        return 0;
+    }
     /* Chunks of up to DIRECT_MAX_ROWS rows of x, each a view into ``rounded``:
      * a weight row, read from memory once, serves them all from L1. */
     RoundedGroups chunks[DIRECT_CHUNKED_MAX_ROWS / DIRECT_MAX_ROWS];
