@@ -6,9 +6,9 @@
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
- *     M <= 8 or 12 (decode)   each group of a weight row widened to 16-bit
- *                             integers in registers and multiplied with the
- *                             M rows' integers (madd), 4 rows at a time,
+ *     M <= 4, or up to 8-12    each group of a weight row widened to 16-bit
+ *     while M * K <= 10240    integers in registers and multiplied with the
+ *     (decode)                M rows' integers (madd), 4 rows at a time,
  *                             scaled once per group
  *     more rows               a thread decodes a tile of up to 32 weight rows
  *                             to float32 (<= 96 KiB, in L2) and multiplies it
@@ -48,20 +48,24 @@
 #define QUANT_AVX512 1
 #endif
 /* Rows of x up to which the integer path runs, in chunks of DIRECT_MAX_ROWS (a
- * weight row read once serves every chunk from L1); more go to tiles, whose
- * decoding costs more than the products at these sizes. Where the two cross,
- * measured on a Zen 5 on SmolLM2-135M's and Gemma 3 270M's decode steps: about
- * 12 rows with AVX-512 (whole steps 1.6-1.9x faster at 5 rows, even at 12) and
- * 8-10 with AVX2 (1.6x at 5, even at 10, 15% slower at 12; BENCHMARKS.md,
- * quant-direct-rows-v1). */
+ * weight row read once serves every chunk from L1), while x's rounded rows
+ * (m * k int16, read again for every weight row) take at most 20 KiB and stay
+ * in L1 with it; other products go to tiles, which decode each weight row
+ * once for all rows. Measured on a Zen 5 (BENCHMARKS.md, quant-direct-rows-v1):
+ * on SmolLM2-135M and Gemma 3 270M the chunks beat the tiles up to about 12
+ * rows with AVX-512 and 8 with AVX2 (decode steps of 5-8 streams 1.3-1.9x
+ * faster); on a 1B-class model, k of 2048 and 8192, x past L1 made them
+ * slower from 6 rows (1.7x at 12), hence the bound on m * k. */
 #ifdef QUANT_AVX512
 #define DIRECT_CHUNKED_MAX_ROWS 12
 #else
 #define DIRECT_CHUNKED_MAX_ROWS 8
 #endif
+#define DIRECT_CHUNKED_MAX_VALUES 10240
 #else
 #define DIRECT_MAX_ROWS 0
 #define DIRECT_CHUNKED_MAX_ROWS 0
+#define DIRECT_CHUNKED_MAX_VALUES 0
 #endif
 
 /* Multiply-adds below which a call stays on one thread. */
@@ -560,7 +564,8 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
     const int64_t stride = row_bytes(type, k);
     if (stride < 0 || k % (SUPER_BLOCK_TYPE(type) ? 256 : GROUP)) return -1;
     if (m == 0 || n == 0) return 0;
-    if (m <= DIRECT_CHUNKED_MAX_ROWS) return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
+    if (m <= DIRECT_MAX_ROWS || (m <= DIRECT_CHUNKED_MAX_ROWS && m * k <= DIRECT_CHUNKED_MAX_VALUES))
+        return products_of_groups(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
     return products_of_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
 }
 
