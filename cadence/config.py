@@ -134,8 +134,12 @@ class SchedulerConfig:
               "engine's steps) predicts that a step of one token for every running request, "
               "the newcomer's included, takes at most this many seconds: the running batch "
               "stays as large as this machine decodes within it, and later requests queue "
-              "(None or 0: no bound but max_num_seqs). The target is never below twice a "
-              "single stream's step, so a slow model still batches."
+              "(None or 0: no bound but max_num_seqs)."
+    )
+    step_time_target_solo_steps: float | None = option(
+        None, "With step_time_target_s: the target is at least this many decode steps of a "
+              "single stream (timed when one runs alone, else predicted), so a model whose "
+              "own step is slow still batches (None or 0: the target as given)."
     )
     step_time_max_wait_s: float | None = option(
         None, "With step_time_target_s: a request that has waited this many seconds is "
@@ -173,6 +177,10 @@ class SchedulerConfig:
                  "step_time_max_wait_s", "must be a number of seconds >= 0")
         _require(self.step_time_max_wait_s is None or bool(self.step_time_target_s), "step_time_max_wait_s",
                  "lets requests past step_time_target_s's bound, so it needs step_time_target_s")
+        _require(self.step_time_target_solo_steps is None or 0 <= self.step_time_target_solo_steps < float("inf"),
+                 "step_time_target_solo_steps", "must be a number >= 0")
+        _require(not self.step_time_target_solo_steps or bool(self.step_time_target_s),
+                 "step_time_target_solo_steps", "raises step_time_target_s, so it needs step_time_target_s")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(

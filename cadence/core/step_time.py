@@ -43,6 +43,10 @@ class StepTimeModel:
         self.num_observed += 1
 
 
+# Weight of each new one-token step in StepTimer.solo_s (an exponential average).
+SOLO_AVERAGING = 0.1
+
+
 class StepTimer:
     """Times a busy engine's steps on its scheduler's clock (wall time when
     serving, the virtual clock in the simulator): the time from one
@@ -53,6 +57,8 @@ class StepTimer:
     def __init__(self, clock: Callable[[], float], model: StepTimeModel | None = None) -> None:
         self.clock = clock
         self.model = model if model is not None else StepTimeModel()
+        # A one-token step's time (a single stream decoding), averaged; None until one ran.
+        self.solo_s: float | None = None
         self._last_start: float | None = None
         self._last_tokens = 0
 
@@ -63,6 +69,9 @@ class StepTimer:
             elapsed = now - self._last_start
             if elapsed < 10 * self.model.predict(self._last_tokens) or self.model.num_observed < 3:
                 self.model.observe(self._last_tokens, elapsed)
+                if self._last_tokens == 1:
+                    solo = self.solo_s
+                    self.solo_s = elapsed if solo is None else solo + SOLO_AVERAGING * (elapsed - solo)
         self._last_start = now
         self._last_tokens = 0
 

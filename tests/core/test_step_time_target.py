@@ -86,12 +86,33 @@ def test_zero_or_none_is_no_bound(target_s):
     assert max(running) == 60 and scheduler.running_seats() == 64
 
 
-def test_a_target_below_a_single_streams_step_still_batches():
-    # One stream's step is 12 ms: the target counts as twice that, 24 ms, 7 decodes.
+def test_a_target_no_step_meets_still_runs_one_request_at_a_time():
     scheduler, running, finished = run_timed(0.005, num_requests=30, max_tokens=30)
     assert len(finished) == 30
+    assert scheduler.running_seats() == 1
+    assert max(running[-20:]) == 1  # the last ones, one by one
+
+
+def test_solo_steps_raise_the_target_to_a_slow_models_own_pace():
+    # One stream's step is 12 ms (predicted, then timed as the last request ran
+    # alone): two of them, 24 ms, are 7 decodes.
+    scheduler, running, finished = run_timed(0.005, num_requests=30, max_tokens=30,
+                                             step_time_target_solo_steps=2)
+    assert len(finished) == 30
+    assert scheduler._step_timer.solo_s == pytest.approx(BASE_S + PER_TOKEN_S)
     assert scheduler.running_seats() == 7
     assert max(running[len(running) // 2:]) == 7
+
+
+def test_the_timer_averages_the_steps_a_stream_runs_alone():
+    now = [0.0]
+    timer = StepTimer(lambda: now[0], StepTimeModel(per_token_doubt=1.0))
+    for tokens, seconds in [(1, 0.010), (4, 0.020), (1, 0.012), (1, 0.010)]:
+        timer.step_begins()
+        timer.step_planned(tokens)
+        now[0] += seconds
+    timer.step_begins()
+    assert timer.solo_s == pytest.approx(0.010 + 0.1 * (0.012 - 0.010) + 0.1 * (0.010 - 0.0102))
 
 
 def run_burst(burst: int, max_wait_s: float | None, num_steps: int = 40):
@@ -145,6 +166,10 @@ def test_the_target_is_checked():
         SchedulerConfig(step_time_target_s=0.05, step_time_max_wait_s=-1)
     with pytest.raises(ValueError, match="step_time_max_wait_s: .*needs step_time_target_s"):
         SchedulerConfig(step_time_max_wait_s=0.5)
+    with pytest.raises(ValueError, match="step_time_target_solo_steps: .*needs step_time_target_s"):
+        SchedulerConfig(step_time_target_solo_steps=7)
+    with pytest.raises(ValueError, match="step_time_target_solo_steps"):
+        SchedulerConfig(step_time_target_s=0.05, step_time_target_solo_steps=-1)
 
 
 def test_the_timer_learns_steps_and_skips_idle_gaps():

@@ -160,6 +160,7 @@ class Scheduler(OutputAbsorber):
         # step_time_target_s: the engine's steps, timed on this clock, bound the running batch.
         self.step_time_target_s = scheduler_config.step_time_target_s or None  # (0: no bound)
         self.step_time_max_wait_s = scheduler_config.step_time_max_wait_s
+        self.step_time_target_solo_steps = scheduler_config.step_time_target_solo_steps or None
         self._clock = clock
         self._step_timer = (
             StepTimer(clock, StepTimeModel(per_token_doubt=1.0))
@@ -246,7 +247,9 @@ class Scheduler(OutputAbsorber):
         """How many requests may run at once now: ``max_num_seqs``, or fewer
         where ``step_time_target_s`` is set and the step-time model, once it
         has seen a few steps, predicts that a step of one token per running
-        request would pass the target with more (never fewer than one)."""
+        request would pass the target with more (never fewer than one). With
+        ``step_time_target_solo_steps`` the target is at least that many
+        single-stream steps."""
         seats = self.max_num_running_reqs
         timer = self._step_timer
         if timer is None or timer.model.num_observed < MIN_STEPS_TIMED or self.step_time_target_s is None:
@@ -254,9 +257,11 @@ class Scheduler(OutputAbsorber):
         base_s, per_token_s = timer.model.theta
         if per_token_s <= 0:
             return seats
-        # Never below twice a single stream's step: a model whose one-token step
-        # is near the target would otherwise serve one stream at a time.
-        target_s = max(self.step_time_target_s, 2 * (base_s + per_token_s))
+        target_s = self.step_time_target_s
+        if self.step_time_target_solo_steps is not None:
+            # A model whose single stream is slow is held to its own pace instead.
+            solo_s = timer.solo_s if timer.solo_s is not None else base_s + per_token_s
+            target_s = max(target_s, self.step_time_target_solo_steps * solo_s)
         fits = int((target_s - base_s) / per_token_s)
         return max(1, min(seats, fits))
 
