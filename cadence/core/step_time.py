@@ -62,12 +62,18 @@ class StepTimer:
         self._last_start: float | None = None
         self._last_tokens = 0
 
-    def step_begins(self) -> None:
-        """A ``schedule`` call starts: the previous step has run."""
+    def step_begins(self, learn: bool = True) -> None:
+        """A ``schedule`` call starts: the previous step has run. ``learn``
+        False: the engine may have idled since (nothing was running), so the
+        time since the last call is not a step's."""
         now = self.clock()
-        if self._last_start is not None and self._last_tokens:
+        if learn and self._last_start is not None and self._last_tokens:
             elapsed = now - self._last_start
-            if elapsed < 10 * self.model.predict(self._last_tokens) or self.model.num_observed < 3:
+            model = self.model
+            # An idle gap is far beyond what a credible model predicts; a fit that is
+            # not yet credible (a per-token cost <= 0, from steps of one size) judges nothing.
+            if (elapsed < 10 * model.predict(self._last_tokens) or model.num_observed < 3
+                    or model.theta[1] <= 0):
                 self.model.observe(self._last_tokens, elapsed)
                 if self._last_tokens == 1:
                     solo = self.solo_s

@@ -119,8 +119,8 @@ def serving_engine_options(args: argparse.Namespace):
 
 
 # A served stream's time per output token as the running batch grows: a step
-# of one token for every running request is kept under 50 ms (20 tokens/s a
-# stream), or 7 of the model's single-stream steps where that is longer, and
+# of one token for every running request is kept under 45 ms (22 tokens/s a
+# stream), or 6 of the model's single-stream steps where that is longer, and
 # later requests queue. Without a bound a 2-core CPU ran 40-64 streams at 4-8
 # requests/s, each slower than llama-server's 16 slots gave. At 50 ms alone
 # Gemma 3 270M (a 9 ms single-stream step, its 262k-token head) ran so few
@@ -128,8 +128,8 @@ def serving_engine_options(args: argparse.Namespace):
 # burst at 1 request/s queued past the 2 s TTFT of the serving SLO, so a
 # request that waited half a second (a quarter of that) runs past the bound
 # while the queue is short (BENCHMARKS.md, serve-vs-llama-server-v1).
-SERVING_STEP_TIME_TARGET_S = 0.05
-SERVING_STEP_TIME_SOLO_STEPS = 7.0
+SERVING_STEP_TIME_TARGET_S = 0.045
+SERVING_STEP_TIME_SOLO_STEPS = 6.0
 SERVING_STEP_TIME_MAX_WAIT_S = 0.5
 
 

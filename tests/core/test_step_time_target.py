@@ -104,6 +104,32 @@ def test_solo_steps_raise_the_target_to_a_slow_models_own_pace():
     assert max(running[len(running) // 2:]) == 7
 
 
+def test_a_fit_from_steps_of_one_size_keeps_learning():
+    # Warm-up steps of one token each split their error between base and
+    # per-token cost; the per-token cost went negative, every later prediction
+    # fell to the floor, and every real step looked like an idle gap: the fit
+    # froze and the bound was off for good.
+    now = [0.0]
+    timer = StepTimer(lambda: now[0], StepTimeModel(per_token_doubt=1.0))
+    for tokens, seconds in [(1, 0.005)] * 6 + [(20, 0.050), (30, 0.070)] * 10:
+        timer.step_begins()
+        timer.step_planned(tokens)
+        now[0] += seconds
+    timer.step_begins()
+    assert timer.model.num_observed == 26
+    assert timer.model.predict(20) == pytest.approx(0.050, rel=0.05)
+
+
+def test_no_step_is_learned_across_a_time_nothing_ran():
+    now = [0.0]
+    timer = StepTimer(lambda: now[0], StepTimeModel(per_token_doubt=1.0))
+    timer.step_begins()
+    timer.step_planned(10)
+    now[0] += 5.0  # the step ran, then the engine idled: nothing was running
+    timer.step_begins(learn=False)
+    assert timer.model.num_observed == 0
+
+
 def test_the_timer_averages_the_steps_a_stream_runs_alone():
     now = [0.0]
     timer = StepTimer(lambda: now[0], StepTimeModel(per_token_doubt=1.0))

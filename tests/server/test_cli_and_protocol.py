@@ -51,7 +51,7 @@ def test_serve_takes_a_step_time_target_and_every_core():
                              ["--step-time-target-s", "0"])]
     assert [(o.scheduler.step_time_target_s, o.scheduler.step_time_target_solo_steps,
              o.scheduler.step_time_max_wait_s) for o in options] == [
-        (0.05, 7.0, 0.5), (0.08, 7.0, 1.0), (0, None, None)]
+        (0.045, 6.0, 0.5), (0.08, 6.0, 1.0), (0, None, None)]
     assert options[0].engine.num_threads == serving_threads()
 
 

@@ -219,7 +219,8 @@ class Scheduler(OutputAbsorber):
     def schedule(self) -> SchedulerOutput:
         self._apply_cancellations()
         if self._step_timer is not None:
-            self._step_timer.step_begins()
+            # With nothing running since the last step the engine may have idled.
+            self._step_timer.step_begins(learn=bool(self.running))
         if self._begin_step is not None:
             self._begin_step(self.running)
         budget = self.max_num_scheduled_tokens
