@@ -172,6 +172,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     # Tokens looked up beyond the local prefix cache through a KV connector
     # (e.g. the host-memory tier) and found there.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
+    # Requests the step-time bound lets run at once now (step_time_target_s; None without one).
+    running_seats: int | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -60,6 +60,10 @@ class PrometheusStatLogger:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.running_seats = gauge(
+            "running_seats", "Requests the step-time bound lets run at once now "
+            "(--step-time-target-s: the running batch a step of one token each keeps within "
+            "the target); max_num_seqs while the bound has not timed enough steps.")
         self._kv_cache_group_usage = Gauge(
             "cadence:kv_cache_group_usage_perc", "With KV cache groups (layers of one attention "
             "type share a block table): the fraction of the KV-cache blocks each group's requests "
@@ -133,6 +137,8 @@ class PrometheusStatLogger:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.running_seats is not None:
+            self.running_seats.set(stats.running_seats)
         for group, usage in (stats.kv_cache_group_usage or {}).items():
             self._kv_cache_group_usage.labels(self._model_name, group).set(usage)
         if stats.num_preemptions:

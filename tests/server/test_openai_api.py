@@ -381,6 +381,8 @@ def test_metrics_move(server, client):
                  "cadence:kv_cache_usage_perc", "cadence:prefix_cache_hits_total",
                  "cadence:num_preemptions_total", "cadence:prefix_cache_hit_rate"):
         assert name in after
+    # cadence serve bounds its batch by step time (its default): the seats it gives now
+    assert 1 <= after["cadence:running_seats"] <= 256
 
 
 def test_bench_serve_against_the_server(server):

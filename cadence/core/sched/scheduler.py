@@ -843,6 +843,7 @@ class Scheduler(OutputAbsorber):
             client_service=self.policy.service_stats(),
             connector_prefix_cache_stats=(self.connector.make_prefix_cache_stats()
                                           if self.connector is not None else None),
+            running_seats=self.running_seats() if self._step_timer is not None else None,
         )
 
     def _take_num_swaps(self) -> int:
