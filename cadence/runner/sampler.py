@@ -227,13 +227,20 @@ def inverse_cdf_sample(
     token of probability 0 is never drawn: its cumulative sum equals the one
     before it, which the search stops at first.
     """
-    num_rows, vocab_size = probs.shape
+    num_rows = probs.shape[0]
     uniform = torch.empty(num_rows, 1, dtype=probs.dtype)
     if len(generators) < num_rows:
         uniform.uniform_()
     for row, generator in generators.items():
         uniform[row].uniform_(generator=generator)
-    cumulative = probs.cumsum(dim=-1)  # (B, V), summed in double precision on the CPU
+    return place_on_cdf(probs, uniform)
+
+
+def place_on_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """(B,) int64: for each row of ``probs`` (B, V), the first token whose
+    cumulative probability passes ``uniform`` (B, 1, in [0, 1)) of the row's total."""
+    vocab_size = probs.shape[-1]
+    cumulative = probs.cumsum(dim=-1)  # (B, V)
     # u * total < total for u < 1, but rounding may reach it: that draw takes
     # the row's last token of non-zero probability instead of running past the end.
     ids = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)

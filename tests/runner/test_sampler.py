@@ -387,3 +387,11 @@ def test_sampled_ids_are_in_range_and_never_masked(batch):
     token_ids = out.sampled_token_ids
     assert ((token_ids >= 0) & (token_ids < vocab_size)).all()
     assert not masked.gather(1, token_ids.unsqueeze(1)).any()
+
+
+def test_a_draw_on_the_cdf_skips_zero_probabilities_and_never_runs_past_the_end():
+    from cadence.runner.sampler import place_on_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 5)
+    uniform = torch.tensor([[0.0], [0.49], [0.5], [0.999], [1.0]])  # 1.0: a draw rounded up to the total
+    assert place_on_cdf(probs, uniform).tolist() == [1, 1, 3, 3, 3]
