@@ -298,9 +298,10 @@ def test_options_that_would_do_nothing_are_refused(client, kwargs, param):
     assert err.value.param == param
     assert any(why in err.value.message
                for why in ("not supported", "--policy priority", "--kv-transfer-config"))
-    # The neutral values ask for nothing and pass; the server goes on serving.
+    # The neutral values ask for nothing and pass; the server goes on serving
+    # (greedy: two sampled tokens at temperature 1 may decode to no text).
     ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logit_bias={},
-                                        tools=[TOOL], tool_choice="none",
+                                        tools=[TOOL], tool_choice="none", temperature=0,
                                         extra_body={"use_beam_search": False, "priority": 0})
     assert ok.choices[0].message.content and not ok.choices[0].message.tool_calls
 
