@@ -100,6 +100,20 @@ def test_product_equals_dequantize_then_matmul(kind, path):
         torch.testing.assert_close(got.double(), expected, atol=2e-6 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if ggml_blocks.BLOCK_VALUES[kind] == 32])
+def test_rows_whose_groups_end_in_a_short_run(kind, path):
+    """The integer path takes the groups' scales eight at a time: 11 groups leave a run of
+    three (SmolLM2's 576 columns leave two), whose missing groups must add nothing."""
+    kernel = kernel_for(path)
+    weight, reference = random_matrix(kind, rows=19, cols=11 * 32, seed=3)
+    for num_rows in (1, 2, 4, 7, 20):
+        x = torch.randn(num_rows, 11 * 32, generator=torch.Generator().manual_seed(num_rows))
+        expected = rounded(x).double() @ reference.double().T
+        got = quantized.matmul(x, weight, kernel)
+        torch.testing.assert_close(got.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("path", ["as-built", "portable-c"])
 def test_activations_round_as_ggml_rounds_them(path):
     x = activations_with_ties()

@@ -553,8 +553,24 @@ static inline void k_pair_values(int type, const uint8_t *block, int j, __m256i 
     }
 }
 
-/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row (b[0] = b[1]: see
- * ``direct_group``). */
+/* The eight 6-bit scales and mins of a Q4_K or Q5_K super-block (12 packed bytes,
+ * see q4_k_scale_min) as eight floats each, in registers: a = d * scale, b = -dmin * min. */
+static inline __attribute__((always_inline)) void q4_k_scale_vectors(const uint8_t *block, __m256 *a, __m256 *b) {
+    uint32_t word[3];
+    memcpy(word, block + 4, sizeof word);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint64_t scales = (uint64_t)(word[0] & low6) |
+                            (uint64_t)((word[2] & low4) | (((word[0] >> 6) & low2) << 4)) << 32;
+    const uint64_t mins = (uint64_t)(word[1] & low6) |
+                          (uint64_t)(((word[2] >> 4) & low4) | (((word[1] >> 6) & low2) << 4)) << 32;
+    const __m256 as_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
+    const __m256 mins_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
+    *a = _mm256_mul_ps(as_floats, _mm256_set1_ps(f16_at(block)));
+    *b = _mm256_mul_ps(mins_floats, _mm256_set1_ps(-f16_at(block + 2)));
+}
+
+/* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row (b[0] = b[1]: a group's
+ * offset is taken whole, see ``run_scales`` in quant_matmul.c). */
 static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float b[2]) {
     const uint8_t *block = row + g * row_bytes(type, GROUP);
     *a = f16_at(block);

@@ -43,22 +43,7 @@ static inline __attribute__((always_inline)) __m512 scaled_group(__m512 acc, __m
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale), acc);
 }
 
-/* ---------------------------------------------------------------- Q4_K
- * The eight 6-bit scales and mins of a super-block (12 packed bytes, see
- * q4_k_scale_min) as eight floats each: a = d * scale, b = -dmin * min. */
-static inline __attribute__((always_inline)) void q4_k_scales_512(const uint8_t *block, __m256 *a, __m256 *b) {
-    uint32_t word[3];
-    memcpy(word, block + 4, sizeof word);
-    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
-    const uint64_t scales = (uint64_t)(word[0] & low6) |
-                            (uint64_t)((word[2] & low4) | (((word[0] >> 6) & low2) << 4)) << 32;
-    const uint64_t mins = (uint64_t)(word[1] & low6) |
-                          (uint64_t)(((word[2] >> 4) & low4) | (((word[1] >> 6) & low2) << 4)) << 32;
-    const __m256 as_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
-    const __m256 mins_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
-    *a = _mm256_mul_ps(as_floats, _mm256_set1_ps(f16_at(block)));
-    *b = _mm256_mul_ps(mins_floats, _mm256_set1_ps(-f16_at(block + 2)));
-}
+/* ---------------------------------------------------------------- Q4_K */
 
 /* out[r * os] for one Q4_K row and R rows of x: per super-block the scales once,
  * each row's group scales a_j * d (8 at once) and its mins' share b . (d sum q);
@@ -72,7 +57,7 @@ static inline __attribute__((always_inline)) void q4_k_rows_512(int R, const uin
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 144;
         __m256 a, b;
-        q4_k_scales_512(block, &a, &b);
+        q4_k_scale_vectors(block, &a, &b);
         float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
         for (int r = 0; r < R; ++r) {
             const int64_t i = r * groups + g;
@@ -155,6 +140,18 @@ static inline __attribute__((always_inline)) void super_block_pair_words(int typ
         weight_values(type, row, g + j + 1, &v[2], &v[3]);
     }
     *first = join_halves(v[0], v[1]), *second = join_halves(v[2], v[3]);
+}
+
+/* offset += group i's b times x's scaled sums: Q2_K's two halves apart (b, b_high),
+ * the other offset types' whole (every lane the same sum). */
+static inline __attribute__((always_inline)) void add_group_offset(int type, const RoundedGroups *x, int64_t i,
+                                                                  __m256 b, __m256 b_high, __m256 *offset) {
+    if (type == TYPE_Q2_K) {
+        *offset = _mm256_fmadd_ps(b, _mm256_set1_ps(x->half_sums[2 * i]), *offset);
+        *offset = _mm256_fmadd_ps(b_high, _mm256_set1_ps(x->half_sums[2 * i + 1]), *offset);
+    } else if (OFFSET_TYPE(type)) {
+        *offset = _mm256_fmadd_ps(b, _mm256_set1_ps(x->scaled_sum[i]), *offset);
+    }
 }
 
 /* ---------------------------------------------------------------- other types

@@ -6,7 +6,7 @@
  * rounded per group of 32 to int16 steps (see "activations"). Two paths,
  * each reading every weight byte from memory once per call:
  *
- *     M <= 4, or up to 8-12    each group of a weight row widened to 16-bit
+ *     M <= 4, or up to 12      each group of a weight row widened to 16-bit
  *     while M * K <= 10240    integers in registers and multiplied with the
  *     (decode)                M rows' integers (madd), 4 rows at a time,
  *                             scaled once per group
@@ -51,16 +51,13 @@
  * weight row read once serves every chunk from L1), while x's rounded rows
  * (m * k int16, read again for every weight row) take at most 20 KiB and stay
  * in L1 with it; other products go to tiles, which decode each weight row
- * once for all rows. Measured on a Zen 5 (BENCHMARKS.md, quant-direct-rows-v1):
- * on SmolLM2-135M and Gemma 3 270M the chunks beat the tiles up to about 12
- * rows with AVX-512 and 8 with AVX2 (decode steps of 5-8 streams 1.3-1.9x
- * faster); on a 1B-class model, k of 2048 and 8192, x past L1 made them
+ * once for all rows. Measured (BENCHMARKS.md, quant-direct-rows-v1 and
+ * avx2-direct-runs-v1): on SmolLM2-135M and Gemma 3 270M the chunks beat the
+ * tiles up to about 12 rows, with AVX-512 on a Zen 5 (decode steps of 5-8
+ * streams 1.3-1.9x faster) and with AVX2 on an AVX2-only EPYC (9-12 streams
+ * 1.1-1.5x); on a 1B-class model, k of 2048 and 8192, x past L1 made them
  * slower from 6 rows (1.7x at 12), hence the bound on m * k. */
-#ifdef QUANT_AVX512
 #define DIRECT_CHUNKED_MAX_ROWS 12
-#else
-#define DIRECT_CHUNKED_MAX_ROWS 8
-#endif
 #define DIRECT_CHUNKED_MAX_VALUES 10240
 #else
 #define DIRECT_MAX_ROWS 0
@@ -326,84 +323,167 @@ static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k
     return rounded;
 }
 
-/* offset += group i's b times x's scaled sums: Q2_K's two halves apart (b, b_high),
- * the other offset types' whole (every lane the same sum). */
-static inline __attribute__((always_inline)) void add_group_offset(int type, const RoundedGroups *x, int64_t i,
-                                                                  __m256 b, __m256 b_high, __m256 *offset) {
-    if (type == TYPE_Q2_K) {
-        *offset = _mm256_fmadd_ps(b, _mm256_set1_ps(x->half_sums[2 * i]), *offset);
-        *offset = _mm256_fmadd_ps(b_high, _mm256_set1_ps(x->half_sums[2 * i + 1]), *offset);
+/* The scales of a run of up to eight groups g .. g + len - 1 of a weight row,
+ * unpacked once for every row of x, in registers (a vector stored as floats and
+ * loaded back would wait for the stores): group j's weights are a_j * u + b_j,
+ * Q2_K's b_j for values 0..15 and 16..31 in b_halves (lanes 2 j, 2 j + 1 of the
+ * pair). Lanes past the row's last group are 0. */
+typedef struct {
+    __m256 a, b, b_halves[2];
+} RunScales;
+
+/* The half floats at p + j * stride for the run's groups j < len (0 past them), as
+ * floats (a gather of the eight measured no faster on an AVX2-only EPYC). */
+static inline __attribute__((always_inline)) __m256 run_halves(const uint8_t *p, int64_t stride, int len) {
+#define HALF_AT(j) ((j) < len ? f16_at(p + (j) * stride) : 0.0f)
+    return _mm256_setr_ps(HALF_AT(0), HALF_AT(1), HALF_AT(2), HALF_AT(3), HALF_AT(4), HALF_AT(5), HALF_AT(6),
+                          HALF_AT(7));
+#undef HALF_AT
+}
+
+static inline __attribute__((always_inline)) RunScales run_scales(int type, const uint8_t *row, int64_t g, int len) {
+    const __m256 zero = _mm256_setzero_ps();
+    RunScales s = {zero, zero, {zero, zero}};
+    if (SUPER_BLOCK_TYPE(type)) {
+        const uint8_t *block = row + (g / 8) * row_bytes(type, 256);
+        if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+            q4_k_scale_vectors(block, &s.a, &s.b);
+        } else if (type == TYPE_Q2_K) { /* the scales are in the integers, the mins in b */
+            s.a = _mm256_set1_ps(f16_at(block + 80));
+            const __m256 dmin = _mm256_set1_ps(-f16_at(block + 82));
+            const __m128i mins = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)block), 4),
+                                               _mm_set1_epi8(15));
+            s.b_halves[0] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)));
+            s.b_halves[1] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8))));
+        } else if (type == TYPE_IQ4_XS) {
+            s.a = _mm256_setr_ps(iq4_xs_scale(block, 0), iq4_xs_scale(block, 1), iq4_xs_scale(block, 2),
+                                 iq4_xs_scale(block, 3), iq4_xs_scale(block, 4), iq4_xs_scale(block, 5),
+                                 iq4_xs_scale(block, 6), iq4_xs_scale(block, 7));
+        } else { /* Q3_K, Q6_K: the per-16 scales are in the integers */
+            s.a = _mm256_set1_ps(f16_at(block + (type == TYPE_Q6_K ? 208 : 108)));
+        }
+        return s;
+    }
+    const uint8_t *block = row + g * row_bytes(type, GROUP);
+    s.a = run_halves(block, row_bytes(type, GROUP), len);
+    switch (type) {
+    case TYPE_Q4_0: s.b = _mm256_mul_ps(_mm256_set1_ps(-8.0f), s.a); break;
+    case TYPE_Q5_0: s.b = _mm256_mul_ps(_mm256_set1_ps(-16.0f), s.a); break;
+    case TYPE_Q4_1:
+    case TYPE_Q5_1: s.b = run_halves(block + 2, row_bytes(type, GROUP), len); break;
+    default: break; /* Q8_0, IQ4_NL */
+    }
+    return s;
+}
+
+/* p[0 .. len - 1], then zeros (nothing past them is read). */
+static inline __m256 load_run(const float *p, int len) {
+    if (len == 8) return _mm256_loadu_ps(p);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(len), lanes));
+}
+
+/* One row of x against a run's scales, from x's group i: scale[j] = a_j * d_(i+j),
+ * and the run's offsets b * d * sum(q) added into the row's accumulator ``acc``
+ * (its 8 lanes are summed at the end). */
+static inline __attribute__((always_inline)) void run_row_scales(int type, const RoundedGroups *x, int64_t i,
+                                                                int len, const RunScales *s, float scale[8],
+                                                                __m256 *acc) {
+    _mm256_store_ps(scale, _mm256_mul_ps(s->a, load_run(x->d + i, len)));
+    if (type == TYPE_Q2_K) { /* a super-block: len is 8 */
+        *acc = _mm256_fmadd_ps(s->b_halves[0], _mm256_loadu_ps(x->half_sums + 2 * i), *acc);
+        *acc = _mm256_fmadd_ps(s->b_halves[1], _mm256_loadu_ps(x->half_sums + 2 * i + 8), *acc);
     } else if (OFFSET_TYPE(type)) {
-        *offset = _mm256_fmadd_ps(b, _mm256_set1_ps(x->scaled_sum[i]), *offset);
+        *acc = _mm256_fmadd_ps(s->b, load_run(x->scaled_sum + i, len), *acc);
     }
 }
 
-/* Group g's share for R rows, its weights a * (lo | hi) + b: acc[r] += a * d * sums,
- * offset[r] += b * d * sum(q). Q2_K's halves have a b each (b[0] for values 0..15,
- * b[1] for 16..31); the other types' are equal and their sum is taken whole. */
-static inline __attribute__((always_inline)) void direct_group(int type, int R, int64_t g, int64_t groups,
-                                                              const RoundedGroups *x, __m256i lo, __m256i hi,
-                                                              float a, const float b[2], __m256 *acc,
-                                                              __m256 *offset) {
-    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b[0]), b_high = _mm256_set1_ps(b[1]);
+/* acc[r] += (lo | hi) . q * scale[r][j] for each of R rows of x, its group g. */
+static inline __attribute__((always_inline)) void scaled_rows(int R, const RoundedGroups *x, int64_t g, int64_t groups,
+                                                             __m256i lo, __m256i hi, float scale[][8], int j,
+                                                             __m256 *acc) {
     for (int r = 0; r < R; ++r) {
-        const int64_t i = r * groups + g;
-        const __m256i *q = (const __m256i *)(x->q + i * GROUP);
+        const __m256i *q = (const __m256i *)(x->q + (r * groups + g) * GROUP);
         const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
                                               _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(av, _mm256_set1_ps(x->d[i])), acc[r]);
-        add_group_offset(type, x, i, bv, b_high, &offset[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(&scale[r][j]), acc[r]);
     }
 }
 
-/* out[r * os] for one weight row and R rows of x (``groups`` groups each): even
- * and odd groups in separate accumulators, to hide the FMA latency. Inlined into
+/* Every 16-bit lane: word t of its 128-bit lane. */
+static inline __m256i spread_word(__m256i words, int t) {
+    return _mm256_shuffle_epi8(words, _mm256_set1_epi16((short)((2 * t + 1) << 8 | 2 * t)));
+}
+
+/* Half n of a Q6_K super-block (groups 4 n .. 4 n + 3, see q6_k_group) as 16-bit
+ * integers, its 96 bytes loaded once: group c's values 0..15 in w[2 c], 16..31 in
+ * w[2 c + 1], each q - 32 times its per-16 scale (|scale (q - 32)| <= 4096). */
+static inline __attribute__((always_inline)) void q6_k_half_words(const uint8_t *block, int n, __m256i w[8]) {
+    const uint8_t *ql = block + 64 * n, *qh = block + 128 + 32 * n;
+    const __m256i first = _mm256_loadu_si256((const __m256i *)ql);
+    const __m256i second = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const __m256i bytes[4] = {
+        _mm256_or_si256(_mm256_and_si256(first, nibble), _mm256_slli_epi16(_mm256_and_si256(high, pair), 4)),
+        _mm256_or_si256(_mm256_and_si256(second, nibble),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), pair), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(first, 4), nibble),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), pair), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(second, 4), nibble),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), pair), 4)),
+    };
+    /* the half's eight scales as 16-bit integers, in both 128-bit lanes */
+    const __m256i scales =
+        _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * n))));
+    for (int c = 0; c < 4; ++c) {
+        const __m256i values = _mm256_sub_epi8(bytes[c], bias);
+        w[2 * c] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), spread_word(scales, 2 * c));
+        w[2 * c + 1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
+                                          spread_word(scales, 2 * c + 1));
+    }
+}
+
+/* out[r * os] for one weight row and R rows of x (``groups`` groups each). Per
+ * run of eight groups the weights' scales are unpacked once, each row's
+ * group scales a * d and its offsets b . (d sum q) taken eight at a time (the
+ * offsets into the even groups' accumulator); then
+ * each group's integers, decoded once, meet every row (madd, one FMA). Even and
+ * odd groups go to separate accumulators, to hide the FMA latency. Inlined into
  * direct_row with constant type and R. */
 static inline __attribute__((always_inline)) void direct_rows(int type, int R, const uint8_t *row, int64_t groups,
                                                              const RoundedGroups *x, float *out, int64_t os) {
-    __m256 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS], even_offset[DIRECT_MAX_ROWS], odd_offset[DIRECT_MAX_ROWS];
-    for (int r = 0; r < R; ++r)
-        even[r] = odd[r] = even_offset[r] = odd_offset[r] = _mm256_setzero_ps();
-    int64_t g = 0;
-    __m256i v[4];
-    if (SUPER_BLOCK_TYPE(type)) { /* groups come in eights, their scales unpacked together */
-        const int64_t block_bytes = row_bytes(type, 256);
-        for (; g < groups; g += 8) {
-            const uint8_t *block = row + (g / 8) * block_bytes;
-            float a[8], b[16];
-            super_block_scales(type, block, a, b);
-            for (int j = 0; j < 8; j += 2) {
-                if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
-                    k_pair_values(type, block, j, v);
-                } else {
-                    weight_values(type, row, g + j, &v[0], &v[1]);
-                    weight_values(type, row, g + j + 1, &v[2], &v[3]);
-                }
-                direct_group(type, R, g + j, groups, x, v[0], v[1], a[j], b + 2 * j, even, even_offset);
-                direct_group(type, R, g + j + 1, groups, x, v[2], v[3], a[j + 1], b + 2 * j + 2, odd, odd_offset);
+    __m256 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 8) {
+        const int len = groups - g < 8 ? (int)(groups - g) : 8;
+        float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
+        const RunScales scales = run_scales(type, row, g, len);
+        for (int r = 0; r < R; ++r) run_row_scales(type, x, r * groups + g, len, &scales, scale[r], &even[r]);
+        if (type == TYPE_Q6_K) { /* half a super-block at a time */
+            const uint8_t *block = row + (g / 8) * 210;
+            for (int n = 0; n < 2; ++n) {
+                __m256i w[8];
+                q6_k_half_words(block, n, w);
+                for (int c = 0; c < 4; ++c)
+                    scaled_rows(R, x, g + 4 * n + c, groups, w[2 * c], w[2 * c + 1], scale, 4 * n + c,
+                                (c & 1) ? odd : even);
             }
+            continue;
         }
-    } else {
-        float a, b[2];
-        for (; g + 2 <= groups; g += 2) {
-            group_scales(type, row, g, &a, b);
-            weight_values(type, row, g, &v[0], &v[1]);
-            direct_group(type, R, g, groups, x, v[0], v[1], a, b, even, even_offset);
-            group_scales(type, row, g + 1, &a, b);
-            weight_values(type, row, g + 1, &v[2], &v[3]);
-            direct_group(type, R, g + 1, groups, x, v[2], v[3], a, b, odd, odd_offset);
-        }
-        if (g < groups) {
-            group_scales(type, row, g, &a, b);
-            weight_values(type, row, g, &v[0], &v[1]);
-            direct_group(type, R, g, groups, x, v[0], v[1], a, b, even, even_offset);
+        for (int j = 0; j < len; j += 2) {
+            __m256i v[4];
+            if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+                k_pair_values(type, row + (g / 8) * row_bytes(type, 256), j, v);
+            } else {
+                weight_values(type, row, g + j, &v[0], &v[1]);
+                if (j + 1 < len) weight_values(type, row, g + j + 1, &v[2], &v[3]);
+            }
+            scaled_rows(R, x, g + j, groups, v[0], v[1], scale, j, even);
+            if (j + 1 < len) scaled_rows(R, x, g + j + 1, groups, v[2], v[3], scale, j + 1, odd);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        /* every lane of an offset holds the same sum: one lane of it */
-        const float offset = _mm256_cvtss_f32(_mm256_add_ps(even_offset[r], odd_offset[r]));
-        out[r * os] = hsum(_mm256_add_ps(even[r], odd[r])) + offset;
-    }
+    for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
 #ifdef QUANT_AVX512

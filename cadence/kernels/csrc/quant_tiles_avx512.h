@@ -60,7 +60,7 @@ static inline int row_words(int type, const uint8_t *row, int64_t g, int16_t wor
     const uint8_t *block = row + (g / 8) * row_bytes(type, 256);
     if (type == TYPE_Q4_K) {
         __m256 av, bv;
-        q4_k_scales_512(block, &av, &bv);
+        q4_k_scale_vectors(block, &av, &bv);
         _mm256_storeu_ps(a, av);
         float mins[8];
         _mm256_storeu_ps(mins, bv);
