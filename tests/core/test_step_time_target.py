@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cadence.config import SchedulerConfig
-from cadence.core.sched.scheduler import MIN_STEPS_TIMED
+from cadence.core.sched.scheduler import COLD_START_SEATS, MIN_STEPS_TIMED
 from cadence.core.step_time import StepTimeModel, StepTimer
 from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
 
@@ -75,6 +75,26 @@ def test_the_bound_learns_from_decode_steps_only():
     assert scheduler.running_seats() == 20 and max(running) <= 20
 
 
+def test_a_cold_start_under_a_stream_of_long_prompts_is_bounded():
+    # A 400-token prompt arrives before every step: a step that admits one is
+    # not learned, so a cold start that admitted every arrival would leave the
+    # model no step to learn from while all of them decode ever slower.
+    clock = SteppedClock()
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000,
+                               step_time_target_s=0.05, clock=clock)
+    runner = ModelRunnerSim(4)
+    running = []
+    for i in range(60):
+        scheduler.add_request(make_request(f"r{i}", 400, max_tokens=120, arrival_time=clock.now))
+        output, _ = step(scheduler, runner)
+        clock.run_step(output.num_scheduled_tokens)
+        running.append(len(scheduler.running))
+    assert running[:MIN_STEPS_TIMED] == [min(i + 1, COLD_START_SEATS) for i in range(MIN_STEPS_TIMED)]
+    # A fit from steps of 4 tokens alone gives 21 seats, then 20 as they run.
+    assert max(running) == 21 and scheduler.running_seats() == 20
+    assert len(scheduler.waiting) == 39
+
+
 def test_without_a_target_max_num_seqs_is_the_only_bound():
     _, running, finished = run_timed(None)
     assert len(finished) == 60 and max(running) == 60
@@ -96,9 +116,10 @@ def test_a_target_no_step_meets_still_runs_one_request_at_a_time():
 def test_solo_steps_raise_the_target_to_a_slow_models_own_pace():
     # One stream's step is 12 ms (predicted, then timed as the last request ran
     # alone): two of them, 24 ms, are 7 decodes.
-    scheduler, running, finished = run_timed(0.005, num_requests=30, max_tokens=30,
+    scheduler, running, finished = run_timed(0.005, num_requests=29, max_tokens=30,
                                              step_time_target_solo_steps=2)
-    assert len(finished) == 30
+    assert len(finished) == 29
+    assert running[-3:] == [1, 0, 0]  # the last one ran alone
     assert scheduler._step_timer.solo_s == pytest.approx(BASE_S + PER_TOKEN_S)
     assert scheduler.running_seats() == 7
     assert max(running[len(running) // 2:]) == 7

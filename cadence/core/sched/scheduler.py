@@ -68,8 +68,13 @@ if TYPE_CHECKING:
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
-# Steps the step-time model sees before it bounds the running batch (step_time_target_s).
+# Decode steps the step-time model sees before its fit bounds the running batch
+# (step_time_target_s); until then COLD_START_SEATS requests run at once. Steps
+# with prompts are not learned, so a cold start that admitted everyone would,
+# under a stream of long prompts, leave the model nothing to learn from for as
+# long as prompts keep coming, while every stream decoded slower.
 MIN_STEPS_TIMED = 8
+COLD_START_SEATS = 4
 
 
 def _decode_step_tokens(plan: StepPlan) -> int:
@@ -250,11 +255,14 @@ class Scheduler(OutputAbsorber):
         has seen a few steps, predicts that a step of one token per running
         request would pass the target with more (never fewer than one). With
         ``step_time_target_solo_steps`` the target is at least that many
-        single-stream steps."""
+        single-stream steps. Before the model has seen MIN_STEPS_TIMED decode
+        steps: COLD_START_SEATS."""
         seats = self.max_num_running_reqs
         timer = self._step_timer
-        if timer is None or timer.model.num_observed < MIN_STEPS_TIMED or self.step_time_target_s is None:
+        if timer is None or self.step_time_target_s is None:
             return seats
+        if timer.model.num_observed < MIN_STEPS_TIMED:
+            return min(seats, COLD_START_SEATS)
         base_s, per_token_s = timer.model.theta
         if per_token_s <= 0:
             return seats
