@@ -138,8 +138,9 @@ class SchedulerConfig:
     )
     step_time_target_solo_steps: float | None = option(
         None, "With step_time_target_s: the target is at least this many decode steps of a "
-              "single stream (timed when one runs alone, else predicted), so a model whose "
-              "own step is slow still batches (None or 0: the target as given)."
+              "single stream (timed when one runs alone; until then, the smallest step timed "
+              "divided by its tokens, a bound below it), so a model whose own step is slow "
+              "still batches (None or 0: the target as given)."
     )
     step_time_max_wait_s: float | None = option(
         None, "With step_time_target_s: a request that has waited this many seconds is "

@@ -19,11 +19,12 @@ class StepTimeModel:
     """
 
     def __init__(self, base_s: float = 0.01, per_token_s: float = 2e-5, forgetting: float = 0.995,
-                 per_token_doubt: float = 1e-6) -> None:
+                 per_token_doubt: float = 1e-6, base_doubt: float = 1.0) -> None:
         self.theta = [base_s, per_token_s]
-        # Covariance: how far the fit may move from the prior (``per_token_doubt``
-        # for the per-token cost: a larger one learns it from fewer steps).
-        self.p = [[1.0, 0.0], [0.0, per_token_doubt]]
+        # Covariance: how far the fit may move from the prior, against an
+        # observation's weight of one (``per_token_doubt`` for the per-token
+        # cost, ``base_doubt`` for the base: a larger one learns it from fewer steps).
+        self.p = [[base_doubt, 0.0], [0.0, per_token_doubt]]
         self.forgetting = forgetting
         self.num_observed = 0
 
@@ -43,8 +44,11 @@ class StepTimeModel:
         self.num_observed += 1
 
 
-# Weight of each new one-token step in StepTimer.solo_s (an exponential average).
+# Weight of each new step of the fewest tokens in StepTimer.fewest_s (an exponential average).
 SOLO_AVERAGING = 0.1
+# Steps of one size the timer learns before it counts that size as seen
+# (StepTimer.max_tokens_timed): one step moves a fit seen at smaller sizes only part way.
+TIMES_TO_TRUST = 4
 
 
 class StepTimer:
@@ -57,8 +61,15 @@ class StepTimer:
     def __init__(self, clock: Callable[[], float], model: StepTimeModel | None = None) -> None:
         self.clock = clock
         self.model = model if model is not None else StepTimeModel()
-        # A one-token step's time (a single stream decoding), averaged; None until one ran.
-        self.solo_s: float | None = None
+        # The fewest tokens a learned step computed, and that size's time,
+        # averaged (None until a step was learned): a single stream's step
+        # where the size is one, a bound below it per token elsewhere.
+        self.fewest_tokens = 0
+        self.fewest_s: float | None = None
+        # How far the fit has seen: the most tokens computed by TIMES_TO_TRUST
+        # learned steps of one size (step sizes -> how many were learned).
+        self.max_tokens_timed = 0
+        self._times_timed: dict[int, int] = {}
         self._last_start: float | None = None
         self._last_tokens = 0
 
@@ -75,11 +86,36 @@ class StepTimer:
             if (elapsed < 10 * model.predict(self._last_tokens) or model.num_observed < 3
                     or model.theta[1] <= 0):
                 self.model.observe(self._last_tokens, elapsed)
-                if self._last_tokens == 1:
-                    solo = self.solo_s
-                    self.solo_s = elapsed if solo is None else solo + SOLO_AVERAGING * (elapsed - solo)
+                self._count_size(self._last_tokens)
+                self._time_fewest(self._last_tokens, elapsed)
         self._last_start = now
         self._last_tokens = 0
+
+    @property
+    def solo_s(self) -> float | None:
+        """A one-token step's time (a single stream decoding), averaged; None until one ran."""
+        return self.fewest_s if self.fewest_tokens == 1 else None
+
+    def stream_step_s(self) -> float | None:
+        """A single stream's step: timed, or (none ran alone yet) the smallest
+        step timed per token, no more than it (a step's cost grows with its
+        tokens, and less than in proportion). None before any step."""
+        return None if self.fewest_s is None else self.fewest_s / self.fewest_tokens
+
+    def _time_fewest(self, num_tokens: int, seconds: float) -> None:
+        if self.fewest_s is None or num_tokens < self.fewest_tokens:
+            self.fewest_tokens, self.fewest_s = num_tokens, seconds
+        elif num_tokens == self.fewest_tokens:
+            self.fewest_s += SOLO_AVERAGING * (seconds - self.fewest_s)
+
+    def _count_size(self, num_tokens: int) -> None:
+        if num_tokens <= self.max_tokens_timed:
+            return
+        times = self._times_timed[num_tokens] = self._times_timed.get(num_tokens, 0) + 1
+        if times == TIMES_TO_TRUST:
+            self.max_tokens_timed = num_tokens
+            for size in [size for size in self._times_timed if size <= num_tokens]:
+                del self._times_timed[size]
 
     def step_planned(self, num_tokens: int) -> None:
         """The step just scheduled computes ``num_tokens`` tokens."""

@@ -3,11 +3,13 @@ predicts a step of one token per running request within the target."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from cadence.config import SchedulerConfig
 from cadence.core.sched.scheduler import COLD_START_SEATS, MIN_STEPS_TIMED
-from cadence.core.step_time import StepTimeModel, StepTimer
+from cadence.core.step_time import TIMES_TO_TRUST, StepTimeModel, StepTimer
 from tests.core.scheduler_sim import ModelRunnerSim, make_request, make_scheduler, step
 
 BASE_S, PER_TOKEN_S = 0.010, 0.002  # the simulated engine: 10 ms + 2 ms a token
@@ -16,20 +18,21 @@ BASE_S, PER_TOKEN_S = 0.010, 0.002  # the simulated engine: 10 ms + 2 ms a token
 class SteppedClock:
     """A clock that advances by the last step's cost when the step has run."""
 
-    def __init__(self) -> None:
+    def __init__(self, base_s: float = BASE_S, per_token_s: float = PER_TOKEN_S) -> None:
         self.now = 0.0
+        self.base_s, self.per_token_s = base_s, per_token_s
 
     def __call__(self) -> float:
         return self.now
 
     def run(self, num_tokens: int) -> None:
-        self.now += BASE_S + PER_TOKEN_S * num_tokens
+        self.now += self.base_s + self.per_token_s * num_tokens
 
     def run_step(self, num_scheduled_tokens: dict[str, int]) -> None:
-        """A decoded token costs PER_TOKEN_S, a prompt token a tenth of it."""
+        """A decoded token costs per_token_s, a prompt token a tenth of it."""
         decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
         prompt = sum(n for n in num_scheduled_tokens.values() if n > 1)
-        self.now += BASE_S + PER_TOKEN_S * (decodes + prompt / 10)
+        self.now += self.base_s + self.per_token_s * (decodes + prompt / 10)
 
 
 def run_timed(target_s: float | None, num_requests: int = 60, max_tokens: int = 120, prompt_len: int = 6,
@@ -90,9 +93,29 @@ def test_a_cold_start_under_a_stream_of_long_prompts_is_bounded():
         clock.run_step(output.num_scheduled_tokens)
         running.append(len(scheduler.running))
     assert running[:MIN_STEPS_TIMED] == [min(i + 1, COLD_START_SEATS) for i in range(MIN_STEPS_TIMED)]
-    # A fit from steps of 4 tokens alone gives 21 seats, then 20 as they run.
-    assert max(running) == 21 and scheduler.running_seats() == 20
-    assert len(scheduler.waiting) == 39
+    assert max(running) == 20 and scheduler.running_seats() == 20
+    assert len(scheduler.waiting) == 40
+
+
+def test_the_seats_grow_at_most_twofold_past_the_largest_step_timed():
+    # An engine of 5 ms + 4 ms a decoded token (a 2-core CPU): 45 ms is 10
+    # decodes (6 single-stream steps would be more, but none ran alone: the
+    # smallest step per token, 5.25 ms, bounds them from below, 31.5 ms). The
+    # first steps all decode 4 tokens (21 ms): their fit keeps the prior's 10 ms
+    # base, and gives 13 seats; admitted at once, those 13 would run to their ends.
+    clock = SteppedClock(base_s=0.005, per_token_s=0.004)
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000,
+                               step_time_target_s=0.045, step_time_target_solo_steps=6, clock=clock)
+    runner = ModelRunnerSim(4)
+    for i in range(40):
+        scheduler.add_request(make_request(f"r{i}", 100, max_tokens=200, arrival_time=0.0))
+    running = []
+    for _ in range(100):
+        output, _ = step(scheduler, runner)
+        clock.run_step(output.num_scheduled_tokens)
+        running.append(len(scheduler.running))
+    assert running[:MIN_STEPS_TIMED + 1] == [4] * (MIN_STEPS_TIMED + 1)
+    assert max(running) == 10 and running[-1] == 10 and scheduler.running_seats() == 10
 
 
 def test_without_a_target_max_num_seqs_is_the_only_bound():
@@ -114,15 +137,16 @@ def test_a_target_no_step_meets_still_runs_one_request_at_a_time():
 
 
 def test_solo_steps_raise_the_target_to_a_slow_models_own_pace():
-    # One stream's step is 12 ms (predicted, then timed as the last request ran
-    # alone): two of them, 24 ms, are 7 decodes.
-    scheduler, running, finished = run_timed(0.005, num_requests=29, max_tokens=30,
+    # One stream's step is 12 ms: two of them, 24 ms, are 7 decodes. Until a
+    # stream ran alone, the smallest step timed per token (4 decodes, 4.5 ms)
+    # bounds it from below: 9 ms, under the 10 ms base, one seat.
+    scheduler, running, finished = run_timed(0.005, num_requests=30, max_tokens=30,
                                              step_time_target_solo_steps=2)
-    assert len(finished) == 29
-    assert running[-3:] == [1, 0, 0]  # the last one ran alone
+    assert len(finished) == 30
     assert scheduler._step_timer.solo_s == pytest.approx(BASE_S + PER_TOKEN_S)
     assert scheduler.running_seats() == 7
-    assert max(running[len(running) // 2:]) == 7
+    alone = running.index(1)
+    assert max(running[:alone]) == COLD_START_SEATS and max(running[alone:]) == 7
 
 
 def test_a_fit_from_steps_of_one_size_keeps_learning():
@@ -139,6 +163,76 @@ def test_a_fit_from_steps_of_one_size_keeps_learning():
     timer.step_begins()
     assert timer.model.num_observed == 26
     assert timer.model.predict(20) == pytest.approx(0.050, rel=0.05)
+
+
+def test_a_step_size_counts_as_timed_once_learned_a_few_times():
+    now = [0.0]
+    timer = StepTimer(lambda: now[0], StepTimeModel(per_token_doubt=1.0))
+    seen = []
+    for tokens in [4] * TIMES_TO_TRUST + [8] * (TIMES_TO_TRUST - 1) + [2, 8]:
+        timer.step_begins()
+        timer.step_planned(tokens)
+        now[0] += 0.01 + 0.002 * tokens
+        timer.step_begins()
+        seen.append(timer.max_tokens_timed)
+    assert seen == [0] * (TIMES_TO_TRUST - 1) + [4] * TIMES_TO_TRUST + [4, 8]
+
+
+class ConcaveClock(SteppedClock):
+    """A CPU's decode steps: 2 ms + 6.5 ms a token up to 8, then 3.5 ms each
+    more (larger products run faster per row), 20% noise either way."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def run_step(self, num_scheduled_tokens: dict[str, int]) -> None:
+        decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
+        prompt = sum(n for n in num_scheduled_tokens.values() if n > 1)
+        cost = 0.002 + 0.0065 * decodes if decodes <= 8 else 0.054 + 0.0035 * (decodes - 8)
+        self.now += (cost + 0.0004 * prompt) * self.rng.uniform(0.8, 1.2)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_floor_of_single_streams_no_stream_ran_does_not_feed_on_itself(seed):
+    # A burst, then a request every third step; no stream ever runs alone. The
+    # fit's one-token prediction was the floor's single stream: over large
+    # steps its base rose, the floor and the seats with it, and the steps grew
+    # larger still (55 and 64 streams at 60-190 ms a step, from these seeds).
+    clock = ConcaveClock(seed)
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000,
+                               step_time_target_s=0.045, step_time_target_solo_steps=6,
+                               step_time_max_wait_s=0.5, clock=clock)
+    runner = ModelRunnerSim(4)
+    for i in range(30):
+        scheduler.add_request(make_request(f"burst{i}", 60, max_tokens=128, arrival_time=0.0))
+    running = []
+    for k in range(600):
+        if k % 3 == 0:
+            scheduler.add_request(make_request(f"r{k}", 60, max_tokens=128, arrival_time=clock.now))
+        output, _ = step(scheduler, runner)
+        clock.run_step(output.num_scheduled_tokens)
+        running.append(len(scheduler.running))
+    assert scheduler._step_timer.solo_s is None
+    assert max(running) <= 8 and running[-1] == scheduler.running_seats() == 6  # 45 ms: 6.6 decodes
+
+
+def test_a_fit_with_no_cost_per_token_still_grows_by_doubling():
+    # A fast engine (8 ms steps of 4 tokens, under the prior's 10 ms base):
+    # the fit from one size gives a token no cost; the bound still holds.
+    clock = SteppedClock(base_s=0.006, per_token_s=0.0005)
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000,
+                               step_time_target_s=0.045, clock=clock)
+    runner = ModelRunnerSim(4)
+    for i in range(64):
+        scheduler.add_request(make_request(f"r{i}", 20, max_tokens=400, arrival_time=0.0))
+    running = []
+    for _ in range(4 * MIN_STEPS_TIMED):
+        output, _ = step(scheduler, runner)
+        clock.run_step(output.num_scheduled_tokens)
+        running.append(len(scheduler.running))
+    assert running[:MIN_STEPS_TIMED + 2] == [COLD_START_SEATS] * (MIN_STEPS_TIMED + 1) + [2 * COLD_START_SEATS]
+    assert running[-1] == 64 and scheduler.running_seats() == 64  # 78 would fit
 
 
 def test_no_step_is_learned_across_a_time_nothing_ran():
@@ -171,12 +265,11 @@ def run_burst(burst: int, max_wait_s: float | None, num_steps: int = 40):
     runner = ModelRunnerSim(4)
     for i in range(20):
         scheduler.add_request(make_request(f"long{i}", 6, max_tokens=1000))
-    for _ in range(2 * MIN_STEPS_TIMED):
+    for _ in range(6 * MIN_STEPS_TIMED):
         output, _ = step(scheduler, runner)
         clock.run(output.total_num_scheduled_tokens)
-    # All 20 started before the model had seen enough steps; it now gives about 20 seats
-    # (every step so far had the same 20 tokens: a fit near, not on, the engine's).
-    assert 18 <= scheduler.running_seats() <= 20 == len(scheduler.running)
+    # 4 from a cold start, then 8, 16 and 20 as the model timed the steps.
+    assert scheduler.running_seats() == 20 == len(scheduler.running)
     arrived = clock.now
     for i in range(burst):
         scheduler.add_request(make_request(f"burst{i}", 6, max_tokens=1000, arrival_time=arrived))

@@ -75,6 +75,15 @@ _WAITING = RequestStatus.WAITING
 # long as prompts keep coming, while every stream decoded slower.
 MIN_STEPS_TIMED = 8
 COLD_START_SEATS = 4
+# The bound gives at most this many times the largest decode step timed: a fit
+# from steps of one size can put the base where its prior was and extrapolate
+# the rest, and a request admitted on it runs to its end. The seats grow by
+# doubling, each size timed before the next.
+SEATS_GROWTH = 2
+# The bound's fit holds its prior (10 ms + 20 us a token) this loosely: two
+# step sizes put it on the engine's line (a doubt of 1, the weight of one step,
+# kept the prior's base through steps of 4, 8 and 16 tokens, and too many seats).
+STEP_FIT_DOUBT = 100.0
 
 
 def _decode_step_tokens(plan: StepPlan) -> int:
@@ -168,7 +177,7 @@ class Scheduler(OutputAbsorber):
         self.step_time_target_solo_steps = scheduler_config.step_time_target_solo_steps or None
         self._clock = clock
         self._step_timer = (
-            StepTimer(clock, StepTimeModel(per_token_doubt=1.0))
+            StepTimer(clock, StepTimeModel(per_token_doubt=STEP_FIT_DOUBT, base_doubt=STEP_FIT_DOUBT))
             if self.step_time_target_s is not None else None
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_tokens)
@@ -256,23 +265,28 @@ class Scheduler(OutputAbsorber):
         request would pass the target with more (never fewer than one). With
         ``step_time_target_solo_steps`` the target is at least that many
         single-stream steps. Before the model has seen MIN_STEPS_TIMED decode
-        steps: COLD_START_SEATS."""
+        steps: COLD_START_SEATS; after, never more than SEATS_GROWTH times the
+        largest decode step it has seen (nor than that where its fit gives a
+        step no cost per token)."""
         seats = self.max_num_running_reqs
         timer = self._step_timer
         if timer is None or self.step_time_target_s is None:
             return seats
         if timer.model.num_observed < MIN_STEPS_TIMED:
             return min(seats, COLD_START_SEATS)
+        grown = max(COLD_START_SEATS, SEATS_GROWTH * timer.max_tokens_timed)
         base_s, per_token_s = timer.model.theta
         if per_token_s <= 0:
-            return seats
+            return min(seats, grown)  # steps of one size, faster than the prior's base
         target_s = self.step_time_target_s
-        if self.step_time_target_solo_steps is not None:
+        stream_s = timer.stream_step_s()
+        if self.step_time_target_solo_steps is not None and stream_s is not None:
             # A model whose single stream is slow is held to its own pace instead.
-            solo_s = timer.solo_s if timer.solo_s is not None else base_s + per_token_s
-            target_s = max(target_s, self.step_time_target_solo_steps * solo_s)
+            # Not the fit's prediction for one token: over large steps, which cost
+            # less per token, its base rises, and the seats with it, and the base again.
+            target_s = max(target_s, self.step_time_target_solo_steps * stream_s)
         fits = int((target_s - base_s) / per_token_s)
-        return max(1, min(seats, fits))
+        return max(1, min(seats, grown, fits))
 
     def _burst_admits(self, request: Request, seats: int) -> bool:
         """Whether ``request`` runs past the step-time bound: it waited
