@@ -153,6 +153,27 @@ def test_one_rows_product_does_not_depend_on_its_batch():
 
 
 @pytest.mark.parametrize("path", ["as-built", "avx2"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q2_K"])
+def test_the_tiles_compute_each_row_as_in_any_larger_product(kind, path):
+    """Past ``direct_max_rows`` rows the products are tiles (integers with
+    AVX-512, float32 with AVX2), a few rows of x at a time: every row's value is
+    exactly the one it has in any other product past that size, whichever rows
+    share its register tile (what the batch-invariant mode relies on)."""
+    kernel = kernel_for(path)
+    if kernel is None or kernel.direct_max_rows <= 4:
+        pytest.skip("no integer path in chunks in this build: its tiles start at 5 rows")
+    weight, reference = random_matrix(kind, rows=37, cols=512, seed=8)
+    first = kernel.direct_max_rows + 1
+    x = torch.randn(first + 30, 512, generator=torch.Generator().manual_seed(8))
+    everything = quantized.matmul(x, weight, kernel)
+    for start, num_rows in [(0, first), (1, first), (2, first + 1), (5, first + 7), (3, first + 27)]:
+        assert torch.equal(quantized.matmul(x[start:start + num_rows], weight, kernel),
+                           everything[start:start + num_rows]), (start, num_rows)
+    expected = rounded(x).double() @ reference.double().T
+    torch.testing.assert_close(everything.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("path", ["as-built", "avx2"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K", "Q2_K"])
 def test_the_integer_path_computes_each_row_as_alone(kind, path):
     """Up to ``direct_max_rows`` rows are products in integers, four rows at a
