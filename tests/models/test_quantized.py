@@ -152,6 +152,23 @@ def test_one_rows_product_does_not_depend_on_its_batch():
     torch.testing.assert_close(together, alone, atol=2e-6 * alone.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+def test_without_avx512_long_rows_stay_in_integers_up_to_the_row_bound(kind):
+    """AVX2's tiles are float32: without AVX-512 the integer chunks take up to
+    ``direct_max_rows`` rows whatever their length (2,048 values here, which
+    AVX-512 sends to its integer tiles from a few rows on), each row as alone."""
+    kernel = kernel_for("avx2")
+    if kernel is None or kernel.direct_max_rows <= 4:
+        pytest.skip("no integer path in chunks in this build")
+    weight, reference = random_matrix(kind, rows=21, cols=2048, seed=10)
+    x = torch.randn(kernel.direct_max_rows, 2048, generator=torch.Generator().manual_seed(10))
+    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(len(x))])
+    for num_rows in (6, 9, kernel.direct_max_rows):
+        assert torch.equal(quantized.matmul(x[:num_rows], weight, kernel), alone[:num_rows]), num_rows
+    expected = rounded(x).double() @ reference.double().T
+    torch.testing.assert_close(alone.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("path", ["as-built", "avx2"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q2_K"])
 def test_the_tiles_compute_each_row_as_in_any_larger_product(kind, path):

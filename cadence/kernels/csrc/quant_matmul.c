@@ -56,9 +56,16 @@
  * tiles up to about 12 rows, with AVX-512 on a Zen 5 (decode steps of 5-8
  * streams 1.3-1.9x faster) and with AVX2 on an AVX2-only EPYC (9-12 streams
  * 1.1-1.5x); on a 1B-class model, k of 2048 and 8192, x past L1 made them
- * slower from 6 rows (1.7x at 12), hence the bound on m * k. */
+ * slower than AVX-512's integer tiles from 6 rows (1.7x at 12), hence the bound
+ * on m * k there. AVX2's tiles are float32 and slower: on the AVX2-only EPYC the
+ * chunks beat them at every k measured, 2048 and 8192 included (6-12 rows
+ * 1.2-2.1x, avx2-chunks-any-k-v1), so without AVX-512 only the rows bound them. */
 #define DIRECT_CHUNKED_MAX_ROWS 12
+#ifdef QUANT_AVX512
 #define DIRECT_CHUNKED_MAX_VALUES 10240
+#else
+#define DIRECT_CHUNKED_MAX_VALUES INT64_MAX
+#endif
 #else
 #define DIRECT_MAX_ROWS 0
 #define DIRECT_CHUNKED_MAX_ROWS 0
