@@ -5,8 +5,8 @@ Q6_K, IQ4_NL, IQ4_XS) and x
 rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
 rounds its activations to int8; these steps are 256 times finer;
 ``round_activations`` shows the values). A decode step's few rows (up to 4,
-or up to ``direct_max_rows`` (12) while M * K <= 10240)
-multiply the weight's integers with x's in registers, four rows at a time
+or up to ``direct_max_rows``: 12 while M * K <= 10240 with AVX-512, 16 of any
+length with AVX2 alone) multiply the weight's integers with x's in registers, four rows at a time
 (about half the instructions of decoding the weights to float32); more rows get a few weight rows at a time decoded to float32 and multiplied
 with the rounded rows, so the weight's bytes are read once per call and
 their decoding is shared by all rows (prefill, batches). Both compute the

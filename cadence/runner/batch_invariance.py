@@ -15,8 +15,9 @@ each op and what the mode does about it:
     products on oneDNN (packed       one row (gemv)                        2 rows
       float32, bfloat16 on a CPU
       that computes it natively)
-    products on GGUF blocks (C)      up to 12 rows stay in integers,       13 rows: always the
-                                     more are tiled: other float sums      tiled path
+    products on GGUF blocks (C)      up to 12 rows stay in integers (16    13 rows (17): always the
+                                     with AVX2 alone), more are tiled:     tiled path
+                                     other float sums
     bfloat16 computed in software    at every number of rows               refused
     attention on SDPA                padded batches and key blocks follow  every sequence on the C
                                      the batch's lengths                   kernel, which computes a

@@ -59,11 +59,14 @@
  * slower than AVX-512's integer tiles from 6 rows (1.7x at 12), hence the bound
  * on m * k there. AVX2's tiles are float32 and slower: on the AVX2-only EPYC the
  * chunks beat them at every k measured, 2048 and 8192 included (6-12 rows
- * 1.2-2.1x, avx2-chunks-any-k-v1), so without AVX-512 only the rows bound them. */
-#define DIRECT_CHUNKED_MAX_ROWS 12
+ * 1.2-2.1x), and up to 16 rows (13-16 rows: decode steps 1.2-1.4x, past 20
+ * the tiles win; avx2-chunks-any-k-v1), so without AVX-512 they take up to 16
+ * rows of any length. */
 #ifdef QUANT_AVX512
+#define DIRECT_CHUNKED_MAX_ROWS 12
 #define DIRECT_CHUNKED_MAX_VALUES 10240
 #else
+#define DIRECT_CHUNKED_MAX_ROWS 16
 #define DIRECT_CHUNKED_MAX_VALUES INT64_MAX
 #endif
 #else
