@@ -667,15 +667,18 @@ int quant_direct_max_rows(void) { return DIRECT_CHUNKED_MAX_ROWS; }
 /* The peak of the integer products' instruction on one core, for the benchmarks:
  * ``iterations`` rounds of 12 independent 16-bit dot products of 512 bits (or of
  * the AVX2 build's madd + add), 32 (AVX-512) or 16 (AVX2) multiply-adds each, all
- * in registers. Returns the multiply-adds done (0 where the build has neither). */
+ * in registers (AVX2's 16 hold the sums; its weights come from L1). Returns the
+ * multiply-adds done (0 where the build has neither). */
 int64_t quant_int16_peak_macs(int64_t iterations) {
 #if defined(QUANT_AVX512)
-    __m512i acc[12];
-    const __m512i w = _mm512_set1_epi16(3);
+    /* A weight vector of its own for each accumulator: with one for all, the
+     * compiler computes madd(w, q) once where dot_words is madd + add (no VNNI). */
+    __m512i acc[12], w[12];
     __m512i q = _mm512_set1_epi16(5);
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i), w[i] = _mm512_set1_epi16((short)(3 + i));
     for (int64_t n = 0; n < iterations; ++n) {
-        for (int i = 0; i < 12; ++i) acc[i] = dot_words(acc[i], w, q);
+        #pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = dot_words(acc[i], w[i], q);
         __asm__ volatile("" : "+v"(q)); /* keeps the loop from being folded */
     }
     int32_t total = 0;
@@ -683,12 +686,12 @@ int64_t quant_int16_peak_macs(int64_t iterations) {
     __asm__ volatile("" ::"r"(total));
     return iterations * 12 * 32;
 #elif defined(QUANT_AVX2)
-    __m256i acc[12];
-    const __m256i w = _mm256_set1_epi16(3);
+    __m256i acc[12], w[12]; /* a weight vector each, as above (one was computed once) */
     __m256i q = _mm256_set1_epi16(5);
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_epi32(i);
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_epi32(i), w[i] = _mm256_set1_epi16((short)(3 + i));
     for (int64_t n = 0; n < iterations; ++n) {
-        for (int i = 0; i < 12; ++i) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w, q));
+        #pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w[i], q));
         __asm__ volatile("" : "+x"(q));
     }
     int32_t lanes[8], total = 0;
