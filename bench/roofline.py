@@ -56,7 +56,7 @@ EMULATED_GEMM_SIZE = 512
 # ---------------------------------------------------------------- the machine
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     fn()  # warm-up: page faults, kernel selection
     best = float("inf")
     for _ in range(repeats):
@@ -70,8 +70,8 @@ def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> dic
     """GB/s of a tensor copy (read + write counted) and of a sum (read only)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
-    read_s = _best_seconds(lambda: src.sum(), repeats)
+    copy_s = best_seconds(lambda: dst.copy_(src), repeats)
+    read_s = best_seconds(lambda: src.sum(), repeats)
     copy_gbs = 2 * num_bytes / copy_s / 1e9
     read_gbs = num_bytes / read_s / 1e9
     return {"copy_gbs": copy_gbs, "read_gbs": read_gbs, "bandwidth_gbs": max(copy_gbs, read_gbs)}
@@ -98,10 +98,10 @@ def measure_gemm(dtype: torch.dtype, size: int | None = None, repeats: int = 3) 
     size = gemm_size(dtype, features) if size is None else size
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    seconds, library, skipped = _best_seconds(lambda: torch.mm(a, b), repeats), "torch.mm", None
+    seconds, library, skipped = best_seconds(lambda: torch.mm(a, b), repeats), "torch.mm", None
     if packed_weights.packing_works(dtype, features):
         packed = packed_weights.pack(b)  # a @ b.T: the same FLOPs
-        packed_s = _best_seconds(lambda: packed_weights.packed_linear(a, packed, None), repeats)
+        packed_s = best_seconds(lambda: packed_weights.packed_linear(a, packed, None), repeats)
         seconds, library = min((seconds, library), (packed_s, "oneDNN packed"))
     else:
         skipped = packed_weights.why_not_packed(dtype, features)

@@ -9,21 +9,21 @@ Data flow of ``Sampler.sample`` for B rows over a vocabulary of V tokens::
          │     (output tokens only)
          ├──► greedy rows: argmax
          ▼
-    random rows: ÷ temperature ─► min_p ─► top_k ─► top_p ─► softmax
-                 ─► argmax(p / q), q ~ Exp(1)
+    random rows: ÷ temperature ─► min_p ─► top_k ─► softmax ─► top_p
+                 ─► a draw: one uniform on the row's cumulative sum (CPU),
+                    argmax(p / q) with q ~ Exp(1) (GPU)
 
 Logprobs come from the raw logits, before penalties, temperature and the
 filters: they report what the model believes, the number clients compare
 across requests, and they stay finite for every token, where the filtered
 distribution is -inf almost everywhere. (vLLM's default does the same.)
 
-Random rows draw ``q ~ Exp(1)`` per token and take ``argmax(p / q)``, which
-picks token t with probability p_t (the exponential form of the Gumbel-max
-trick) without a cumulative sum. A row whose request has a seed draws its
-``q`` from its own generator with shape (V,), so its tokens depend only on
-its logits and its generator, never on which other rows share the batch or
-where the row sits in it. Unseeded rows share one draw from torch's default
-generator.
+Either draw picks token t with probability p_t, also where top-p left a row
+summing to less than 1 (both scale by the row's sum). A row whose request
+has a seed draws from its own generator (``inverse_cdf_sample``,
+``exponential_sample``), so its tokens depend only on its logits and its
+generator, never on which other rows share the batch or where the row sits
+in it. Unseeded rows share one draw from torch's default generator.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ from cadence.runner.sampling_metadata import SamplingMetadata
 from cadence.sampling_params import GREEDY_EPSILON
 
 _NEG_INF = float("-inf")
+# Most likely tokens of a row among which top-p first looks for its nucleus
+# (``apply_top_p``): SmolLM2's decodes at temperature 0.8 and p 0.9 kept 2
+# tokens at the median, 16 at the 90th percentile.
+NUCLEUS_CANDIDATES = 32
 
 
 @dataclass(frozen=True)
@@ -85,11 +89,11 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     logits = apply_temperature(logits, metadata.temperature)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
-    if metadata.top_p is not None:
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    elif metadata.top_k is not None:
+    if metadata.top_k is not None:
         logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
     probs = logits.softmax(dim=-1)  # (B, V)
+    if metadata.top_p is not None:
+        apply_top_p(probs, metadata.top_p)  # (the draws scale by each row's sum)
     if probs.device.type == "cpu":
         return inverse_cdf_sample(probs, metadata.generators)
     return exponential_sample(probs, metadata.generators)
@@ -169,28 +173,69 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill(logits < kth_value, _NEG_INF)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Top-k (if given), then keep the smallest set of tokens whose probability reaches top_p.
+def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Zero, in place, the probabilities outside each row's nucleus: the smallest set of
+    most likely tokens whose probability reaches ``top_p`` (and every token tied
+    with the last of them), found without sorting the vocabulary.
 
-    One ascending sort serves both filters::
+    probs (B, V) sum to 1 a row; top_p (B,) is 1 for rows without top-p. A token
+    is kept when the tokens more likely than it hold less than p::
 
-        sorted:   [ least likely ............................ most likely ]
-        top-k:    [ logit < sorted[V - k]: dropped | k largest (and ties) ]
-        top-p:    [ cumsum <= 1 - p: dropped       | kept; the last always ]
+        most likely first:   0.5   0.3   0.15  0.05      p = 0.7
+        mass before it:      0     0.5   0.8   0.95
+        kept:                yes   yes   no    no
+
+    The nucleus is looked for among the ``NUCLEUS_CANDIDATES`` most likely
+    tokens of each row (a ``topk``), more while some row's candidates hold
+    less than its p (``_more_candidates``; only those rows look again), the
+    whole vocabulary at last. A row's result depends on neither the number of
+    candidates nor the other rows; rows without top-p cost nothing. The kept
+    probabilities are left as they are: the draws scale by a row's sum. (A
+    sort of the vocabulary took 34 ms a row for Gemma 3's 262,144 tokens on a
+    2-core EPYC, more than a decode step; BENCHMARKS.md, top-p-v1.)
     """
-    vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, stable=True)  # (B, V) ascending
-    if top_k is not None:
-        kth_value = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # (B, 1)
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, _NEG_INF)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
-    drop = cumulative <= (1.0 - top_p).unsqueeze(1)  # (B, V)
-    drop &= (top_p < 1.0).unsqueeze(1)  # rows without top-p keep every token
-    drop[:, -1] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    vocab_size = probs.shape[-1]
+    rows = (top_p < 1.0).nonzero().flatten()  # the rows filtered
+    if not len(rows):
+        return
+    every_row = len(rows) == len(probs)  # (rows is sorted and unique)
+    row_probs = probs if every_row else probs[rows]  # (R, V)
+    row_p = top_p if every_row else top_p[rows]  # (R,)
+    count = min(NUCLEUS_CANDIDATES, vocab_size)
+    threshold, found, shortfall = _nucleus_threshold(row_probs, row_p, count)  # (R, 1), (R,), (R,)
+    looking = (~found).nonzero().flatten()  # rows of ``row_probs`` whose nucleus is longer
+    while len(looking):
+        count = _more_candidates(count, vocab_size, shortfall[~found].max().item())
+        more, found, shortfall = _nucleus_threshold(row_probs[looking], row_p[looking], count)
+        threshold[looking] = more
+        looking = looking[~found]
+    if every_row:
+        probs.masked_fill_(probs < threshold, 0.0)
+    else:
+        probs[rows] = row_probs.masked_fill_(row_probs < threshold, 0.0)
+
+
+def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor,
+                       count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Among each row's ``count`` most likely tokens: the last kept token's probability
+    (R, 1), meaningful where the nucleus is among them (``found``, R), and each
+    row's shortfall (R): p over the mass they hold."""
+    candidates = probs.topk(count, dim=-1).values  # (R, count), descending
+    mass = candidates.cumsum(dim=-1)
+    found = (mass[:, -1] >= top_p) | (count == probs.shape[-1])
+    mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=1, keepdim=True)  # >= 1
+    return candidates.gather(1, num_kept - 1), found, top_p / mass[:, -1]
+
+
+def _more_candidates(count: int, vocab_size: int, shortfall: float) -> int:
+    """The next number of top-p candidates after ``count`` held 1/``shortfall`` of some
+    row's p: eight times as many, or more where that row's tail looks as flat as its
+    head, and the whole vocabulary once that is a good part of it (a flat row's
+    nucleus is most of the vocabulary: growing step by step would take a ``topk``
+    of it several times)."""
+    wanted = max(count * 8, int(count * shortfall * 1.5))
+    return vocab_size if wanted * 4 >= vocab_size else wanted
 
 
 # ---------------------------------------------------------------- drawing

@@ -341,6 +341,80 @@ def test_sampler_does_not_modify_its_input():
     assert torch.equal(logits, before)
 
 
+# ------------------------------------------------------------------ top-p without a sort
+
+
+def nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> set[int]:
+    """The top-p set by its definition: sort, keep while the mass before a token is below p
+    (and the tokens tied with the last one kept)."""
+    probs = logits.double().softmax(dim=-1)
+    order = probs.argsort(descending=True)
+    kept, before = [], 0.0
+    for token in order.tolist():
+        if before >= top_p:
+            break
+        kept.append(token)
+        before += probs[token].item()
+    last = logits[kept[-1]]
+    return {t for t in range(len(logits)) if logits[t] >= last and logits[t] > float("-inf")}
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 30.0])  # 30: nearly flat, past the candidates
+def test_top_p_keeps_the_nucleus_a_sort_finds(temperature):
+    from cadence.runner.sampler import NUCLEUS_CANDIDATES, apply_top_p
+
+    vocab_size = 12 * NUCLEUS_CANDIDATES
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, vocab_size, generator=generator) * 4 / temperature
+    logits[3, 100:] = float("-inf")  # a row min-p or top-k cut short
+    top_p = torch.tensor([0.9, 0.5, 0.999, 0.95, 1.0])
+    probs = logits.softmax(dim=-1)
+    apply_top_p(probs, top_p)
+    kept = probs > 0
+    for row in range(4):
+        expected = nucleus_by_sorting(logits[row], top_p[row].item())
+        assert set(kept[row].nonzero().flatten().tolist()) == expected, row
+    assert torch.equal(probs[4], logits[4].softmax(dim=-1))  # no top-p: untouched
+    if temperature == 30.0:
+        assert kept[2].sum() > NUCLEUS_CANDIDATES  # the candidates grew
+
+
+def test_top_p_grows_its_candidates_in_steps_on_a_long_tail():
+    """A Zipf law over 16,384 tokens: a nucleus past 256 and 2,048 candidates, found in steps."""
+    from cadence.runner.sampler import apply_top_p
+
+    ranks = torch.arange(1, 16385, dtype=torch.float32)
+    logits = (-ranks.log())[torch.randperm(16384, generator=torch.Generator().manual_seed(5))]
+    for top_p in (0.7, 0.9):
+        probs = logits.softmax(dim=-1).unsqueeze(0)
+        apply_top_p(probs, torch.tensor([top_p]))
+        kept = probs[0] > 0
+        assert set(kept.nonzero().flatten().tolist()) == nucleus_by_sorting(logits, top_p)
+        assert kept.sum() > 256
+
+
+def test_top_p_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """A flat row makes the candidates grow for the whole batch; a peaked row keeps its nucleus."""
+    from cadence.runner.sampler import apply_top_p
+
+    generator = torch.Generator().manual_seed(4)
+    peaked = torch.randn(1, 4096, generator=generator) * 6
+    flat = torch.randn(1, 4096, generator=generator) * 0.01
+    alone, together = peaked.softmax(dim=-1), torch.cat([flat, peaked]).softmax(dim=-1)
+    assert torch.equal(together[1], alone[0])
+    apply_top_p(alone, torch.tensor([0.9]))
+    apply_top_p(together, torch.tensor([0.99, 0.9]))
+    assert torch.equal(together[1], alone[0])
+
+
+def test_top_p_ties_at_the_edge_are_all_kept():
+    from cadence.runner.sampler import apply_top_p
+
+    probs = torch.tensor([[2.0, 1.0, 1.0, 1.0, -1.0]]).softmax(dim=-1)
+    apply_top_p(probs, torch.tensor([0.5]))
+    assert (probs > 0).tolist() == [[True, True, True, True, False]]
+
+
 # ------------------------------------------------------------------ properties
 
 
