@@ -3,14 +3,15 @@
 
 Two parts, both on this machine's threads (``--num-threads``):
 
-    filter      the top-p filter and the probabilities a draw reads, on B rows of
-                V logits: a softmax then ``apply_top_p`` (the k most likely
-                tokens, k grown while a row's nucleus is not among them) against
-                the sort of the whole vocabulary it replaced (kept here as
-                ``filter_by_sorting``) then a softmax, each the best of
-                --repeats, on logits shaped like a language model's (a Zipf law,
-                exponent 1.1, at temperature 0.8) and on nearly flat ones (the
-                candidates' worst case)
+    filter      top-p and the CPU's draw on B rows of V logits: a softmax, then
+                ``nucleus_sample`` (each row's nucleus among its k most likely
+                tokens, k grown while it is not among them, and the draw on the
+                nucleus alone) against the sort of the whole vocabulary it
+                replaced (kept here as ``filter_by_sorting``), a softmax and the
+                draw on the whole vocabulary, each the best of --repeats, on
+                logits shaped like a language model's (a Zipf law, exponent 1.1,
+                at temperature 0.8) and on nearly flat ones (the candidates'
+                worst case)
     decode      an engine's output tokens/s with temperature 0.8, top_p 0.9
                 against top_p 1 (the filter off), for the 64 chat prompts of
                 cpu-throughput-v1 at once and for the first of them alone
@@ -63,7 +64,7 @@ def zipf_logits(rows: int, vocab_size: int, temperature: float, seed: int) -> to
 def filter_part(repeats: int) -> list[str]:
     from roofline import best_seconds
 
-    from cadence.runner.sampler import apply_top_p
+    from cadence.runner.sampler import apply_top_p, draw_uniforms, nucleus_sample, place_on_cdf
 
     lines = []
     for name, vocab_size in VOCABS.items():
@@ -74,8 +75,10 @@ def filter_part(repeats: int) -> list[str]:
                 probs = logits.softmax(dim=-1)
                 apply_top_p(probs, top_p)
                 kept = (probs > 0).sum(dim=1)
-                by_sort = best_seconds(lambda: filter_by_sorting(logits, top_p).softmax(dim=-1), repeats)
-                by_candidates = best_seconds(lambda: apply_top_p(logits.softmax(dim=-1), top_p), repeats)
+                uniform = draw_uniforms(rows, {})
+                by_sort = best_seconds(
+                    lambda: place_on_cdf(filter_by_sorting(logits, top_p).softmax(dim=-1), uniform), repeats)
+                by_candidates = best_seconds(lambda: nucleus_sample(logits.softmax(dim=-1), top_p, uniform), repeats)
                 lines.append(f"filter {name} V={vocab_size} B={rows} {shape} (nucleus {int(kept.min())}-"
                              f"{int(kept.max())} tokens): sort {by_sort * 1e3:.2f} ms, candidates "
                              f"{by_candidates * 1e3:.2f} ms ({by_sort / by_candidates:.0f}x)")

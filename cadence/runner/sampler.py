@@ -10,8 +10,9 @@ Data flow of ``Sampler.sample`` for B rows over a vocabulary of V tokens::
          ├──► greedy rows: argmax
          ▼
     random rows: ÷ temperature ─► min_p ─► top_k ─► softmax ─► top_p
-                 ─► a draw: one uniform on the row's cumulative sum (CPU),
-                    argmax(p / q) with q ~ Exp(1) (GPU)
+                 ─► a draw: one uniform on the row's cumulative sum (CPU;
+                    with top-p, on its nucleus' alone), or argmax(p / q) with
+                    q ~ Exp(1) (GPU, top-p's tail zeroed first)
 
 Logprobs come from the raw logits, before penalties, temperature and the
 filters: they report what the model believes, the number clients compare
@@ -20,7 +21,7 @@ distribution is -inf almost everywhere. (vLLM's default does the same.)
 
 Either draw picks token t with probability p_t, also where top-p left a row
 summing to less than 1 (both scale by the row's sum). A row whose request
-has a seed draws from its own generator (``inverse_cdf_sample``,
+has a seed draws from its own generator (``draw_uniforms``,
 ``exponential_sample``), so its tokens depend only on its logits and its
 generator, never on which other rows share the batch or where the row sits
 in it. Unseeded rows share one draw from torch's default generator.
@@ -92,11 +93,14 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     if metadata.top_k is not None:
         logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
     probs = logits.softmax(dim=-1)  # (B, V)
-    if metadata.top_p is not None:
-        apply_top_p(probs, metadata.top_p)  # (the draws scale by each row's sum)
-    if probs.device.type == "cpu":
-        return inverse_cdf_sample(probs, metadata.generators)
-    return exponential_sample(probs, metadata.generators)
+    if probs.device.type != "cpu":
+        if metadata.top_p is not None:
+            apply_top_p(probs, metadata.top_p)  # (the race scales by each row's sum)
+        return exponential_sample(probs, metadata.generators)
+    uniform = draw_uniforms(len(probs), metadata.generators)  # (B, 1)
+    if metadata.top_p is None:
+        return place_on_cdf(probs, uniform)
+    return nucleus_sample(probs, metadata.top_p, uniform)
 
 
 # ---------------------------------------------------------------- penalties
@@ -202,11 +206,13 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     row_probs = probs if every_row else probs[rows]  # (R, V)
     row_p = top_p if every_row else top_p[rows]  # (R,)
     count = min(NUCLEUS_CANDIDATES, vocab_size)
-    threshold, found, shortfall = _nucleus_threshold(row_probs, row_p, count)  # (R, 1), (R,), (R,)
+    candidates = row_probs.topk(count, dim=-1).values  # (R, count), descending
+    threshold, found, shortfall = _nucleus(candidates, row_p, count == vocab_size)  # (R, 1), (R,), (R,)
     looking = (~found).nonzero().flatten()  # rows of ``row_probs`` whose nucleus is longer
     while len(looking):
         count = _more_candidates(count, vocab_size, shortfall[~found].max().item())
-        more, found, shortfall = _nucleus_threshold(row_probs[looking], row_p[looking], count)
+        candidates = row_probs[looking].topk(count, dim=-1).values
+        more, found, shortfall = _nucleus(candidates, row_p[looking], count == vocab_size)
         threshold[looking] = more
         looking = looking[~found]
     if every_row:
@@ -215,17 +221,48 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
         probs[rows] = row_probs.masked_fill_(row_probs < threshold, 0.0)
 
 
-def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor,
-                       count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Among each row's ``count`` most likely tokens: the last kept token's probability
-    (R, 1), meaningful where the nucleus is among them (``found``, R), and each
-    row's shortfall (R): p over the mass they hold."""
-    candidates = probs.topk(count, dim=-1).values  # (R, count), descending
+def _nucleus(candidates: torch.Tensor, top_p: torch.Tensor,
+             whole_vocabulary: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From each row's most likely probabilities (R, count, descending): the last kept
+    token's probability (R, 1), meaningful where the nucleus is among them
+    (``found``, R: they hold p, and no token tied with the last kept one lies
+    past them), and each row's shortfall (R): p over the mass they hold."""
     mass = candidates.cumsum(dim=-1)
-    found = (mass[:, -1] >= top_p) | (count == probs.shape[-1])
     mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)
     num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=1, keepdim=True)  # >= 1
-    return candidates.gather(1, num_kept - 1), found, top_p / mass[:, -1]
+    threshold = candidates.gather(1, num_kept - 1)
+    found = (mass[:, -1] >= top_p) & (candidates[:, -1] < threshold[:, 0])
+    if whole_vocabulary:
+        found = torch.ones_like(found)
+    return threshold, found, top_p / mass[:, -1]
+
+
+def nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 on the CPU: each row with top-p (top_p < 1) draws among its nucleus,
+    found as ``apply_top_p`` finds it, by placing its ``uniform`` (B, 1) on the
+    nucleus' cumulative sum, most likely token first; the other rows on their
+    whole cumulative sum (``place_on_cdf``). Past the ``topk`` that finds a
+    nucleus nothing reads the vocabulary again (no zeroing, no cumulative sum
+    over V)."""
+    vocab_size = probs.shape[-1]
+    token_ids = torch.empty(len(probs), dtype=torch.int64)
+    whole = top_p >= 1.0  # (B,)
+    if bool(whole.any()):
+        token_ids[whole] = place_on_cdf(probs[whole], uniform[whole])
+    looking = (~whole).nonzero().flatten()  # rows whose nucleus is not found yet
+    count = min(NUCLEUS_CANDIDATES, vocab_size)
+    while len(looking):
+        row_probs = probs if len(looking) == len(probs) else probs[looking]
+        candidates, candidate_ids = row_probs.topk(count, dim=-1)  # (L, count)
+        threshold, found, shortfall = _nucleus(candidates, top_p[looking], count == vocab_size)
+        kept = candidates[found].masked_fill(candidates[found] < threshold[found], 0.0)
+        places = place_on_cdf(kept, uniform[looking[found]])  # (F,): places among the candidates
+        token_ids[looking[found]] = candidate_ids[found].gather(1, places.unsqueeze(1)).squeeze(1)
+        if bool(found.all()):
+            break
+        count = _more_candidates(count, vocab_size, shortfall[~found].max().item())
+        looking = looking[~found]
+    return token_ids
 
 
 def _more_candidates(count: int, vocab_size: int, shortfall: float) -> int:
@@ -258,32 +295,29 @@ def exponential_sample(
     return (probs / q).argmax(dim=-1)
 
 
-def inverse_cdf_sample(
-    probs: torch.Tensor, generators: dict[int, torch.Generator]
-) -> torch.Tensor:
-    """(B,) int64: token t with probability p_t, by one uniform draw per row
-    placed on the row's cumulative distribution (the first token whose
-    cumulative sum passes it). The CPU's draw: the exponential race draws V
+def draw_uniforms(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """(B, 1) float32 in [0, 1): the CPU's draw, one uniform a row, placed on the
+    row's cumulative distribution (``place_on_cdf``, ``nucleus_sample``: the
+    first token whose cumulative sum passes it). The exponential race draws V
     random numbers a row, 4.9 ms for Gemma 3's 262k-token vocabulary against
-    0.2 ms here (BENCHMARKS.md, sampling-v1); a GPU keeps the race (no
-    search, no host round trip).
+    0.2 ms here (BENCHMARKS.md, sampling-v1); a GPU keeps the race (no search,
+    no host round trip).
 
-    Rows in ``generators`` draw their uniform from their own generator. A
-    token of probability 0 is never drawn: its cumulative sum equals the one
-    before it, which the search stops at first.
+    Rows in ``generators`` draw their uniform from their own generator.
     """
-    num_rows = probs.shape[0]
-    uniform = torch.empty(num_rows, 1, dtype=probs.dtype)
+    uniform = torch.empty(num_rows, 1)
     if len(generators) < num_rows:
         uniform.uniform_()
     for row, generator in generators.items():
         uniform[row].uniform_(generator=generator)
-    return place_on_cdf(probs, uniform)
+    return uniform
 
 
 def place_on_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """(B,) int64: for each row of ``probs`` (B, V), the first token whose
-    cumulative probability passes ``uniform`` (B, 1, in [0, 1)) of the row's total."""
+    cumulative probability passes ``uniform`` (B, 1, in [0, 1)) of the row's total.
+    A token of probability 0 is never drawn: its cumulative sum equals the one
+    before it, which the search stops at first."""
     vocab_size = probs.shape[-1]
     cumulative = probs.cumsum(dim=-1)  # (B, V)
     # u * total < total for u < 1, but rounding may reach it: that draw takes

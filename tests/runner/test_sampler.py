@@ -169,8 +169,8 @@ def test_seeded_rows_are_batch_invariant():
     alone_a = run_steps([row_a], 10)[0]
     alone_b = run_steps([row_b], 10)[0]
 
-    # Extended with unseeded, greedy and top-p rows (the top-p row sends the
-    # whole batch through the sort path), and with the seeded rows moved.
+    # Extended with unseeded, greedy and top-p rows (the top-p row draws among
+    # its nucleus, the others on their whole vocabulary), and the seeded rows moved.
     extra = [
         (others[0], SamplingParams(temperature=1.0)),
         (others[1], SamplingParams(temperature=0.0, seed=11)),
@@ -182,6 +182,34 @@ def test_seeded_rows_are_batch_invariant():
     assert tokens[4] == alone_a
     assert tokens[1] == alone_b
     assert run_steps(list(reversed(batch)), 10)[1] == alone_a
+
+
+def test_a_seeded_top_p_row_draws_the_same_beside_rows_whose_nucleus_is_long():
+    """Flat rows make their nucleus search take more candidates; a peaked seeded row
+    draws the same tokens alone, beside them, and anywhere in the batch."""
+    g = make_generator(9)
+    peaked = torch.randn(4096, generator=g) * 5
+    row = (peaked, SamplingParams(temperature=1.0, top_p=0.9, seed=5))
+    alone = run_steps([row], 12)[0]
+    flat = [(torch.randn(4096, generator=g) * 0.05, SamplingParams(top_p=0.95)) for _ in range(2)]
+    plain = (torch.randn(4096, generator=g), SamplingParams(temperature=1.0, seed=6))
+    assert run_steps([flat[0], row, plain, flat[1]], 12)[1] == alone
+    assert run_steps([plain, flat[0], flat[1], row], 12)[3] == alone
+    nucleus = nucleus_by_sorting(peaked, 0.9)
+    assert set(alone) <= nucleus and len(set(alone)) > 1
+
+
+def test_top_p_draws_follow_the_nucleus_renormalised_past_its_first_candidates():
+    """A Zipf row whose nucleus (p 0.7) is past the first candidates: the draws keep
+    to it, in proportion to the probabilities."""
+    ranks = torch.arange(1, 2049, dtype=torch.float32)
+    logits = -1.2 * ranks.log()  # token t has rank t + 1
+    token_ids = draw_many(logits, SamplingParams(temperature=1.0, top_p=0.7), 20000)
+    nucleus = sorted(nucleus_by_sorting(logits, 0.7))
+    assert len(nucleus) > 32 and set(token_ids.tolist()) <= set(nucleus)
+    probs = logits.softmax(dim=-1)
+    expected = probs[nucleus] / probs[nucleus].sum()
+    assert torch.allclose(frequencies(token_ids, 2048)[nucleus], expected, atol=0.01)
 
 
 def test_same_seed_repeats_and_different_seeds_differ():
