@@ -10,9 +10,11 @@ Data flow of ``Sampler.sample`` for B rows over a vocabulary of V tokens::
          ├──► greedy rows: argmax
          ▼
     random rows: ÷ temperature ─► min_p ─► top_k ─► softmax ─► top_p
-                 ─► a draw: one uniform on the row's cumulative sum (CPU;
-                    with top-p, on its nucleus' alone), or argmax(p / q) with
-                    q ~ Exp(1) (GPU, top-p's tail zeroed first)
+                 ─► a draw: one uniform on the cumulative sum of what the row
+                    keeps (CPU: a top-k row's k candidates, a top-p row's
+                    nucleus, found by a ``topk``, never sorting V), or
+                    argmax(p / q) with q ~ Exp(1) (GPU, the filtered tokens
+                    masked or zeroed first)
 
 Logprobs come from the raw logits, before penalties, temperature and the
 filters: they report what the model believes, the number clients compare
@@ -90,17 +92,70 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     logits = apply_temperature(logits, metadata.temperature)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
+    if logits.device.type == "cpu":
+        return _draw_on_cpu(logits, metadata)
     if metadata.top_k is not None:
         logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
     probs = logits.softmax(dim=-1)  # (B, V)
-    if probs.device.type != "cpu":
-        if metadata.top_p is not None:
-            apply_top_p(probs, metadata.top_p)  # (the race scales by each row's sum)
-        return exponential_sample(probs, metadata.generators)
-    uniform = draw_uniforms(len(probs), metadata.generators)  # (B, 1)
-    if metadata.top_p is None:
-        return place_on_cdf(probs, uniform)
-    return nucleus_sample(probs, metadata.top_p, uniform)
+    if metadata.top_p is not None:
+        apply_top_p(probs, metadata.top_p)  # (the race scales by each row's sum)
+    return exponential_sample(probs, metadata.generators)
+
+
+def _draw_on_cpu(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """(B,) int64: one uniform a row (``draw_uniforms``), placed on the cumulative sum
+    of what the row keeps. Rows with top-k draw among their k candidates
+    (``top_k_sample``), rows with top-p alone among their nucleus
+    (``nucleus_sample``), the others on the whole vocabulary."""
+    uniform = draw_uniforms(len(logits), metadata.generators)  # (B, 1)
+    if metadata.top_k is None and metadata.top_p is None:
+        return place_on_cdf(logits.softmax(dim=-1), uniform)
+    vocab_size = logits.shape[-1]
+    top_p = metadata.top_p if metadata.top_p is not None else torch.ones(len(logits))
+    token_ids = torch.empty(len(logits), dtype=torch.int64)
+    rest = torch.ones(len(logits), dtype=torch.bool)  # rows not drawn yet
+    if metadata.top_k is not None:
+        rows = (metadata.top_k < vocab_size).nonzero().flatten()
+        drawn, done = top_k_sample(_rows(logits, rows), metadata.top_k[rows], metadata.max_top_k,
+                                   top_p[rows], uniform[rows])
+        token_ids[rows[done]] = drawn[done]
+        rest[rows[done]] = False
+    rows = rest.nonzero().flatten()
+    if len(rows):
+        row_logits = _rows(logits, rows)
+        if metadata.top_k is not None:  # rows whose k-th logit ties past the candidates
+            row_logits = apply_top_k(row_logits, metadata.top_k[rows], metadata.max_top_k)
+        token_ids[rows] = nucleus_sample(row_logits.softmax(dim=-1), top_p[rows], uniform[rows])
+    return token_ids
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] for sorted unique ``rows``, without a copy when they are all of t's."""
+    return t if len(rows) == len(t) else t[rows]
+
+
+def top_k_sample(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int, top_p: torch.Tensor,
+                 uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with top-k (R, V logits; ``top_k`` (R,) below V) drawn among their k most
+    likely tokens and the tokens tied with the k-th, renormalised, then among
+    top-p's nucleus of those (``top_p`` 1: off), by ``uniform`` (R, 1). One
+    ``topk`` reads the vocabulary, one token wider than ``max_top_k`` to see
+    whether a tie goes on past it; nothing else does. Returns the tokens (R,)
+    and where they hold (R,): a row whose k-th logit is tied past the candidates
+    is left to the caller."""
+    width = min(max_top_k + 1, logits.shape[-1])
+    values, ids = logits.topk(width, dim=-1)  # (R, width), descending
+    kth_value = values.gather(1, (top_k - 1).unsqueeze(1))  # (R, 1)
+    done = values[:, -1] < kth_value[:, 0]
+    if width == logits.shape[-1]:
+        done = torch.ones_like(done)
+    probs = values.masked_fill(values < kth_value, _NEG_INF).softmax(dim=-1)  # (R, width), descending
+    filtered = top_p < 1.0
+    if bool(filtered.any()):
+        threshold, _, _ = _nucleus(probs, top_p, whole_vocabulary=True)  # (every kept token is here)
+        probs.masked_fill_(probs < threshold.masked_fill(~filtered.unsqueeze(1), 0.0), 0.0)
+    places = place_on_cdf(probs, uniform)  # (R,)
+    return ids.gather(1, places.unsqueeze(1)).squeeze(1), done
 
 
 # ---------------------------------------------------------------- penalties
@@ -203,8 +258,7 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     if not len(rows):
         return
     every_row = len(rows) == len(probs)  # (rows is sorted and unique)
-    row_probs = probs if every_row else probs[rows]  # (R, V)
-    row_p = top_p if every_row else top_p[rows]  # (R,)
+    row_probs, row_p = _rows(probs, rows), _rows(top_p, rows)  # (R, V), (R,)
     count = min(NUCLEUS_CANDIDATES, vocab_size)
     candidates = row_probs.topk(count, dim=-1).values  # (R, count), descending
     threshold, found, shortfall = _nucleus(candidates, row_p, count == vocab_size)  # (R, 1), (R,), (R,)
@@ -252,8 +306,7 @@ def nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tens
     looking = (~whole).nonzero().flatten()  # rows whose nucleus is not found yet
     count = min(NUCLEUS_CANDIDATES, vocab_size)
     while len(looking):
-        row_probs = probs if len(looking) == len(probs) else probs[looking]
-        candidates, candidate_ids = row_probs.topk(count, dim=-1)  # (L, count)
+        candidates, candidate_ids = _rows(probs, looking).topk(count, dim=-1)  # (L, count)
         threshold, found, shortfall = _nucleus(candidates, top_p[looking], count == vocab_size)
         kept = candidates[found].masked_fill(candidates[found] < threshold[found], 0.0)
         places = place_on_cdf(kept, uniform[looking[found]])  # (F,): places among the candidates

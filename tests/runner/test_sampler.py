@@ -133,6 +133,18 @@ def test_top_k_rows_beside_rows_without_top_k():
     assert set(token_ids[1::2].tolist()) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("top_k, allowed", [(3, [0, 1, 2, 3, 4, 5]), (2, [0, 1]), (6, [0, 1, 2, 3, 4, 5])])
+def test_top_k_keeps_every_token_tied_with_the_kth(top_k, allowed):
+    """Ties with the k-th logit running past the k + 1 candidates (k 3) are kept
+    as ``apply_top_k`` keeps them; with no tie at the edge (k 2, 6) the draw is
+    among the candidates alone."""
+    logits = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 1.0, 0.0, -1.0])
+    token_ids = draw_many(logits, SamplingParams(temperature=1.0, top_k=top_k), 20000)
+    assert set(token_ids.tolist()) == set(allowed)
+    probs = logits[allowed].softmax(dim=-1)
+    assert torch.allclose(frequencies(token_ids, 8)[allowed], probs, atol=0.015)
+
+
 def test_top_k_at_or_above_vocab_size_is_off():
     metadata = build([SamplingParams(top_k=4), SamplingParams(top_k=100)], 4)
     assert metadata.no_top_k
