@@ -283,7 +283,9 @@ def _nucleus(candidates: torch.Tensor, top_p: torch.Tensor,
     past them), and each row's shortfall (R): p over the mass they hold."""
     mass = candidates.cumsum(dim=-1)
     mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)
-    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=1, keepdim=True)  # >= 1
+    # The most likely token is always kept, also where p rounds to 0 in float32 (1e-183 passes
+    # the params' p > 0 and becomes 0 here: no mass would be below it).
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=1, keepdim=True).clamp_(min=1)
     threshold = candidates.gather(1, num_kept - 1)
     found = (mass[:, -1] >= top_p) & (candidates[:, -1] < threshold[:, 0])
     if whole_vocabulary:

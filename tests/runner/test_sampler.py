@@ -447,6 +447,16 @@ def test_top_p_of_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(together[1], alone[0])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(top_p=1e-183), SamplingParams(top_p=1e-183, top_k=3),
+                                    SamplingParams(top_p=1e-40, seed=3)])
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(params):
+    """p > 0 passes the params' check but rounds to 0 (or a subnormal) in float32:
+    the nucleus is the most likely token, never an empty set (a request with
+    top_p 1.9e-183 once stopped the engine: index -1 out of bounds)."""
+    token_ids = draw_many(CRAFTED_LOGITS, params, 50)
+    assert token_ids.tolist() == [0] * 50
+
+
 def test_top_p_ties_at_the_edge_are_all_kept():
     from cadence.runner.sampler import apply_top_p
 
