@@ -253,26 +253,28 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     sort of the vocabulary took 34 ms a row for Gemma 3's 262,144 tokens on a
     2-core EPYC, more than a decode step; BENCHMARKS.md, top-p-v1.)
     """
+    threshold = torch.zeros(len(probs), 1, dtype=probs.dtype, device=probs.device)  # 0: keep all
+    for rows, _, _, row_threshold in _nucleus_rounds(probs, top_p, (top_p < 1.0).nonzero().flatten()):
+        threshold[rows] = row_threshold
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _nucleus_rounds(probs: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor):
+    """The search of ``apply_top_p`` and ``nucleus_sample`` for ``rows`` (sorted, unique)
+    of ``probs``: round by round, the rows whose nucleus was found, with their
+    candidates (F, count, descending), the candidates' token ids and the last
+    kept token's probability (F, 1). Each round takes ``_more_candidates`` for
+    the rows still short, the whole vocabulary at last."""
     vocab_size = probs.shape[-1]
-    rows = (top_p < 1.0).nonzero().flatten()  # the rows filtered
-    if not len(rows):
-        return
-    every_row = len(rows) == len(probs)  # (rows is sorted and unique)
-    row_probs, row_p = _rows(probs, rows), _rows(top_p, rows)  # (R, V), (R,)
     count = min(NUCLEUS_CANDIDATES, vocab_size)
-    candidates = row_probs.topk(count, dim=-1).values  # (R, count), descending
-    threshold, found, shortfall = _nucleus(candidates, row_p, count == vocab_size)  # (R, 1), (R,), (R,)
-    looking = (~found).nonzero().flatten()  # rows of ``row_probs`` whose nucleus is longer
-    while len(looking):
+    while len(rows):
+        candidates, ids = _rows(probs, rows).topk(count, dim=-1)  # (R, count)
+        threshold, found, shortfall = _nucleus(candidates, top_p[rows], count == vocab_size)
+        yield rows[found], candidates[found], ids[found], threshold[found]
+        if bool(found.all()):
+            return
         count = _more_candidates(count, vocab_size, shortfall[~found].max().item())
-        candidates = row_probs[looking].topk(count, dim=-1).values
-        more, found, shortfall = _nucleus(candidates, row_p[looking], count == vocab_size)
-        threshold[looking] = more
-        looking = looking[~found]
-    if every_row:
-        probs.masked_fill_(probs < threshold, 0.0)
-    else:
-        probs[rows] = row_probs.masked_fill_(row_probs < threshold, 0.0)
+        rows = rows[~found]
 
 
 def _nucleus(candidates: torch.Tensor, top_p: torch.Tensor,
@@ -300,23 +302,14 @@ def nucleus_sample(probs: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tens
     whole cumulative sum (``place_on_cdf``). Past the ``topk`` that finds a
     nucleus nothing reads the vocabulary again (no zeroing, no cumulative sum
     over V)."""
-    vocab_size = probs.shape[-1]
     token_ids = torch.empty(len(probs), dtype=torch.int64)
     whole = top_p >= 1.0  # (B,)
     if bool(whole.any()):
         token_ids[whole] = place_on_cdf(probs[whole], uniform[whole])
-    looking = (~whole).nonzero().flatten()  # rows whose nucleus is not found yet
-    count = min(NUCLEUS_CANDIDATES, vocab_size)
-    while len(looking):
-        candidates, candidate_ids = _rows(probs, looking).topk(count, dim=-1)  # (L, count)
-        threshold, found, shortfall = _nucleus(candidates, top_p[looking], count == vocab_size)
-        kept = candidates[found].masked_fill(candidates[found] < threshold[found], 0.0)
-        places = place_on_cdf(kept, uniform[looking[found]])  # (F,): places among the candidates
-        token_ids[looking[found]] = candidate_ids[found].gather(1, places.unsqueeze(1)).squeeze(1)
-        if bool(found.all()):
-            break
-        count = _more_candidates(count, vocab_size, shortfall[~found].max().item())
-        looking = looking[~found]
+    for rows, candidates, ids, threshold in _nucleus_rounds(probs, top_p, (~whole).nonzero().flatten()):
+        kept = candidates.masked_fill(candidates < threshold, 0.0)
+        places = place_on_cdf(kept, uniform[rows])  # (F,): places among the candidates
+        token_ids[rows] = ids.gather(1, places.unsqueeze(1)).squeeze(1)
     return token_ids
 
 
