@@ -67,7 +67,7 @@ class DecoderShape(ctypes.Structure):
         ("num_slots", _I64), ("norm_placement", _I64), ("activation", _I64), ("qk_norm", _I64),
         ("rotary_dim", _I64), ("eps", _FLOAT), ("scale", _FLOAT), ("softcap", _FLOAT),
         ("num_experts", _I64), ("experts_per_token", _I64), ("expert_intermediate", _I64),
-        ("norm_topk_prob", _I64),
+        ("norm_topk_prob", _I64), ("rows_apart", _I64),
     ]
 
 
@@ -124,7 +124,7 @@ class DecoderStackKernel:
     def struct_layout(self) -> list[int]:
         """sizeof and field offsets of DecoderLayer, DecoderShape, DecoderStep, BlockMatrix and
         ExpertMatrices, as C lays them out."""
-        out = (ctypes.c_int64 * 66)()
+        out = (ctypes.c_int64 * 67)()
         self._functions["decoder_struct_layout"](out)
         return list(out)
 

@@ -17,6 +17,12 @@ integers, 32 products per instruction (VNNI where the CPU has it), the tiles
 decoded to integers instead of float32 (``isa`` says which). ``quant_matmul()`` is None where
 the library cannot be built; callers then dequantize in PyTorch.
 
+``QuantMatmul.rows_apart()`` is the same kernel taking the integer path at every
+number of rows (the batch-invariant mode): a row's value is then the one it has
+alone, whatever rows are beside it, at the cost of the tiles' speed for many
+rows (BENCHMARKS.md, batch-invariance-v1). Where the build has no integer path
+(plain C) every product already computes each row alone.
+
 Types are passed as ggml's numeric ids (``GGMLQuantizationType`` values),
 so this module needs nothing of the ``gguf`` package.
 """
@@ -40,6 +46,8 @@ _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
     # type, weight, n, k, x, m, x_stride, out, out_stride
     "quant_matmul": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    # the same arguments
+    "quant_matmul_rows_apart": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     # x, m, k, out
     "quant_round_activations": [_PTR, _I64, _I64, _PTR],
     # type, weight, k, ids, count, out
@@ -54,15 +62,23 @@ SIGNATURES = {
 class QuantMatmul:
     """The library's functions with tensor arguments (float32 activations)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, *, rows_apart: bool = False) -> None:
+        self._library = library
         self._functions = build.bind(library, SIGNATURES)
-        self._matmul = self._functions["quant_matmul"]
+        # True: every row's value independent of the rows beside it (``rows_apart``).
+        self.computes_rows_apart = rows_apart
+        self._matmul = self._functions["quant_matmul_rows_apart" if rows_apart else "quant_matmul"]
         self._functions["quant_int16_peak_macs"].restype = _I64
         describe = library.quant_matmul_isa
         describe.restype, describe.argtypes = ctypes.c_char_p, []
         self.isa: str = describe().decode()
         # Rows up to which products stay in integers; more are tiled (row-invariant).
         self.direct_max_rows: int = self._functions["quant_direct_max_rows"]()
+
+    def rows_apart(self) -> "QuantMatmul":
+        """This kernel with every product's rows computed as each would be alone: the
+        integer path at every number of rows (the batch-invariant mode's products)."""
+        return QuantMatmul(self._library, rows_apart=True)
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
         """float32 ``x [M, k] @ W^T`` -> [M, N], W being ``blocks`` uint8 [N, row bytes] of ``type_id``."""

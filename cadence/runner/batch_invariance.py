@@ -15,9 +15,10 @@ each op and what the mode does about it:
     products on oneDNN (packed       one row (gemv)                        2 rows
       float32, bfloat16 on a CPU
       that computes it natively)
-    products on GGUF blocks (C)      up to 12 rows stay in integers (16    13 rows (17): always the
-                                     with AVX2 alone), more are tiled:     tiled path
-                                     other float sums
+    products on GGUF blocks (C)      up to 12 rows stay in integers (16    the integer path at every
+                                     with AVX2 alone), more are tiled:     number of rows
+                                     other float sums                      (``QuantMatmul.rows_apart``):
+                                                                           no padding
     bfloat16 computed in software    at every number of rows               refused
     attention on SDPA                padded batches and key blocks follow  every sequence on the C
                                      the batch's lengths                   kernel, which computes a
@@ -36,22 +37,22 @@ each a one-token sequence of its own (``pad_step``), which nothing samples.
 
 ``auto`` is on where the mode costs under 5% of single-stream and of
 batch-64 throughput (BENCHMARKS.md, batch-invariance-v1, taken with
-``bench/batch_invariance.py``; rough figures on the 2-thread EPYC):
+``bench/batch_invariance.py``; 2 threads):
 
     weights                         batch 64   single stream   auto
     dense float (float32, bfloat16) -1 to -2%   3 to 4%        on: decodes already take the C
                                                                attention kernel; one row padded
                                                                to two on oneDNN
-    GGUF blocks on the C kernel     0.4%       81%             off: a one-row decode is the
-                                                               integer path, padded past it
-                                                               the tiled path (the other way
-                                                               round, batches in pieces of 4
-                                                               rows, would halve batch 64);
-                                                               measured at 5 rows, before the
-                                                               integer path took up to 12
+    GGUF blocks on the C kernel     15-26%     0-4%            off: every product in integers,
+                                                               where batches and prompts would
+                                                               take the float32 tiles (AVX2-only
+                                                               EPYC, default model and Gemma 3)
 
-Not counted: a long prompt's attention on the C kernel instead of SDPA
-costs its prefill 20-33% at 2,000 tokens.
+(Padding every step past the integer path onto the tiles instead, as the
+mode did first, costs batch 64 nothing and single stream 88-89%.)
+
+Not counted: a 2,000-token prefill costs 36-43% (products in integers,
+and attention on the C kernel instead of SDPA).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class BatchInvariance:
     reason: str
     min_rows: int = 1
     lora_min_rows: int = 1
+    # Products on GGUF blocks through ``QuantMatmul.rows_apart()`` (the integer path at any rows).
+    quant_rows_apart: bool = False
 
     @classmethod
     def off(cls, reason: str) -> "BatchInvariance":
@@ -104,9 +107,15 @@ class BatchInvariance:
         """The start-up log's phrase."""
         if not self.enabled:
             return f"batch-invariant mode off ({self.reason})"
-        lora = f", each adapter's rows to {self.lora_min_rows}" if self.lora_min_rows > 1 else ""
-        return (f"batch-invariant mode on ({self.reason}): products on at least {self.min_rows} rows "
-                f"(short steps padded{lora}), attention one query row at a time on the C kernel")
+        parts = []
+        if self.quant_rows_apart:
+            parts.append("products on GGUF blocks in integers at every number of rows")
+        if self.min_rows > 1:
+            parts.append(f"products on at least {self.min_rows} rows (short steps padded)")
+        if self.lora_min_rows > 1:
+            parts.append(f"each adapter's rows padded to {self.lora_min_rows}")
+        parts.append("attention one query row at a time on the C kernel")
+        return f"batch-invariant mode on ({self.reason}): " + ", ".join(parts)
 
 
 def resolve_batch_invariance(
@@ -142,12 +151,11 @@ def resolve_batch_invariance(
         return BatchInvariance.off(blocker)
     lora_rows = pytorch_min_rows(dtype) if lora else 1
     if option == "on":
-        return BatchInvariance(True, "by request", min_rows, lora_rows)
+        return BatchInvariance(True, "by request", min_rows, lora_rows, quant_rows_apart=on_quant_kernel)
     if on_quant_kernel:
         return BatchInvariance.off(
-            "auto: weights kept in GGUF blocks; their one-row decode product is the integer path, "
-            "and padding it onto the tiled path costs single-stream decoding several times over "
-            "(BENCHMARKS.md, batch-invariance-v1)")
+            "auto: weights kept in GGUF blocks, whose products of many rows would leave their tiles "
+            "for the integer path, which costs batch 64 over 5% (BENCHMARKS.md, batch-invariance-v1)")
     return BatchInvariance(True, "auto: dense float weights, under 5% of single-stream and "
                                  "batch-64 throughput (BENCHMARKS.md, batch-invariance-v1)",
                            min_rows, lora_rows)
@@ -177,19 +185,12 @@ def pytorch_min_rows(dtype: torch.dtype) -> int:
     return ONEDNN_ROWS if dtype == torch.bfloat16 else MKL_FLOAT32_ROWS
 
 
-def quant_kernel_min_rows(kernel: "QuantMatmul") -> int:
-    """Rows from which the quantized C kernel gives each row the value it has in
-    any larger product: past its integer path's rows, every product is tiled."""
-    return kernel.direct_max_rows + 1
-
-
 def product_min_rows(model: "LlamaForCausalLM", dtype: torch.dtype) -> tuple[int, bool, bool]:
     """The rows every product of ``model`` needs, whether some run on the quantized C
-    kernel, and whether some run in PyTorch (dense, or blocks dequantized per call)."""
+    kernel, and whether some run in PyTorch (dense, or blocks dequantized per call).
+    The C kernel's products under the mode (``QuantMatmul.rows_apart``) need one."""
     kinds = _product_kinds(model)
-    floors = {ONEDNN: ONEDNN_ROWS, PYTORCH: pytorch_min_rows(dtype)}
-    if QUANT_KERNEL in kinds:
-        floors[QUANT_KERNEL] = quant_kernel_min_rows(model.quant_kernel)
+    floors = {ONEDNN: ONEDNN_ROWS, PYTORCH: pytorch_min_rows(dtype), QUANT_KERNEL: 1}
     rows = max(floors[kind] for kind in kinds)
     return rows, QUANT_KERNEL in kinds, bool(kinds - {QUANT_KERNEL})
 

@@ -81,6 +81,8 @@ class FusedDecoder:
             num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
             expert_intermediate=config.moe_intermediate_size if config.num_experts else 0,
             norm_topk_prob=int(config.norm_topk_prob),
+            # the products the module path takes (the batch-invariant mode's: each row alone)
+            rows_apart=int(model.quant_kernel is not None and model.quant_kernel.computes_rows_apart),
         )
         # The norms' weights as the kernels scale by them (offsets added), and each layer's
         # experts' matrices, held here for their pointers.

@@ -269,6 +269,9 @@ class ModelRunner(RunnerBase):
             num_experts=self.model_config.num_experts)
         if self.lora is not None:
             self.lora.mapping.min_rows = self.batch_invariance.lora_min_rows
+        if self.batch_invariance.quant_rows_apart:  # the model's products on GGUF blocks, and the C loop's
+            self.model.use_quant_kernel(self.model.quant_kernel.rows_apart())
+            self._build_fused_decoder()
 
     def _build_fused_decoder(self) -> None:
         """The C loop through all layers for decode steps, where the model and paths allow it."""

@@ -7,7 +7,8 @@ float32 and bfloat16, on the default model (weights in GGUF blocks on the C
 kernel) and on tiny random dense models. Batch sizes are a fixed, seeded
 sample of 1..64 (64 always in), so a run is bounded and repeatable.
 Without the mode, the default model's one-row decodes take the quantized
-kernel's integer path and batches its tiled path: the logprobs differ.
+kernel's integer path and batches its tiled path: the logprobs differ. With
+it, every product on GGUF blocks takes the integer path, at any number of rows.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def test_default_model_bfloat16():
 
 def test_the_mode_is_what_makes_the_default_model_invariant():
     """Off, a one-row decode takes the quantized kernel's integer path (AVX2 and AVX-512
-    builds: up to 8 or 12 rows), a larger batch its tiled path: other float sums, other
-    logprobs. On, both are tiled."""
+    builds: up to 16 or 12 rows), a larger batch its tiled path: other float sums, other
+    logprobs. On, both take the integer path (``QuantMatmul.rows_apart``), unpadded."""
     from cadence.kernels.quant_matmul import quant_matmul
 
     kernel = quant_matmul()
@@ -113,6 +114,8 @@ def test_the_mode_is_what_makes_the_default_model_invariant():
     target = random_prompt(49000, 4)
     for mode, expect_equal in (("off", False), ("on", True)):
         llm = default_llm("float32", mode, lora=False)
+        invariance = llm.engine.core.runner.batch_invariance
+        assert invariance.quant_rows_apart is expect_equal and invariance.min_rows == 1
         alone = completion(llm.generate([target], TARGET, use_tqdm=False)[0])
         batched = completion(llm.generate([target, *others], TARGET, use_tqdm=False)[0])
         assert (batched == alone) is expect_equal, mode

@@ -207,6 +207,39 @@ def test_the_integer_path_computes_each_row_as_alone(kind, path):
     torch.testing.assert_close(alone.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("path", ["as-built", "avx2", "portable-c"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS"])
+def test_rows_apart_products_compute_every_row_as_alone(kind, path):
+    """The batch-invariant mode's products (``rows_apart``): at any number of rows,
+    prefill-sized ones and blocks of x past L2 included (64 rows of 2,048 values
+    are two blocks), each row's value is exactly the one it has alone; where the
+    build has an integer path, that is the value a one-row decode step computes."""
+    kernel = kernel_for(path)
+    rows_apart = kernel.rows_apart()
+    assert rows_apart.computes_rows_apart and not kernel.computes_rows_apart
+    weight, reference = random_matrix(kind, rows=23, cols=2048, seed=12)
+    x = torch.randn(70, 2048, generator=torch.Generator().manual_seed(12))
+    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(len(x))])
+    for start, num_rows in [(0, 1), (3, 5), (0, 17), (1, 33), (0, 64), (2, 68)]:
+        got = quantized.matmul(x[start:start + num_rows], weight, rows_apart)
+        assert torch.equal(got, alone[start:start + num_rows]), (start, num_rows)
+    expected = rounded(x).double() @ reference.double().T
+    torch.testing.assert_close(alone.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+
+
+def test_rows_apart_products_differ_from_the_tiles_where_the_build_has_both():
+    """What the mode changes: past ``direct_max_rows`` rows the kernel's own products are
+    tiles (other float sums than a row's alone); the rows-apart ones are not."""
+    kernel = kernel_for("as-built")
+    if kernel.direct_max_rows == 0:
+        pytest.skip("plain C: one path, each row alone")
+    weight, _ = random_matrix("Q4_K", rows=64, cols=512, seed=13)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([quantized.matmul(x[i:i + 1], weight, kernel) for i in range(len(x))])
+    assert not torch.equal(quantized.matmul(x, weight, kernel), alone)
+    assert torch.equal(quantized.matmul(x, weight, kernel.rows_apart()), alone)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows_decode_exactly(kind, path):

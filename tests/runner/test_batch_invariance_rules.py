@@ -16,7 +16,8 @@ from cadence.models.row_padding import pad_rows_product
 from cadence.models.testing import random_model, tiny_config
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.batch_invariance import (
-    MKL_FLOAT32_ROWS, ONEDNN_ROWS, ForwardInputs, pad_step, product_min_rows, resolve_batch_invariance,
+    MKL_FLOAT32_ROWS, ONEDNN_ROWS, BatchInvariance, ForwardInputs, pad_step, product_min_rows,
+    resolve_batch_invariance,
 )
 from cadence.runner.kv_cache import PagedKVCache
 
@@ -125,6 +126,17 @@ def test_attention_of_a_row_does_not_depend_on_the_chunking(dtype):
 
 
 @pytest.mark.skipif(paged_attention() is None, reason="no C compiler: the mode is off (no C attention)")
+def test_the_description_names_what_the_mode_changes():
+    rows_apart = BatchInvariance(True, "by request", quant_rows_apart=True)
+    assert rows_apart.describe() == (
+        "batch-invariant mode on (by request): products on GGUF blocks in integers at every number of "
+        "rows, attention one query row at a time on the C kernel")
+    padded = BatchInvariance(True, "auto", min_rows=16, lora_min_rows=16)
+    assert padded.describe() == (
+        "batch-invariant mode on (auto): products on at least 16 rows (short steps padded), each "
+        "adapter's rows padded to 16, attention one query row at a time on the C kernel")
+
+
 def test_start_up_log_says_whether_the_mode_is_on_and_why(tmp_path):
     from cadence.engine.builder import build_engine
     from cadence.models.testing import write_hf_folder

@@ -199,6 +199,19 @@ def test_each_variant_the_loop_takes_equals_the_module_path(variant):
     assert_same_run(config, "as-built", torch.float16)
 
 
+@pytest.mark.parametrize("variant", ["llama", "gemma3"])
+def test_the_batch_invariant_mode_takes_the_same_products_in_the_loop(variant):
+    """Under the mode the products on GGUF blocks compute each row as alone (the
+    integer path at any number of rows): the C loop takes those too, to the bit."""
+    config = CONFIG.replace(**VARIANTS[variant])
+    runner = make_runner(quantized_model(config), cpu_paths("as-built"), torch.float16, batch_invariant="on")
+    assert runner.batch_invariance.quant_rows_apart and runner.model.quant_kernel.computes_rows_apart
+    assert runner.fused_decoder.shape.rows_apart == 1
+    assert make_runner(quantized_model(config), cpu_paths("as-built"), torch.float16,
+                       batch_invariant="off").fused_decoder.shape.rows_apart == 0
+    assert_same_run(config, "as-built", torch.float16, batch_invariant="on")
+
+
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.bfloat16])
 def test_gemma3_on_the_portable_build_equals_the_module_path(kv_cache_dtype):
     assert_same_run(CONFIG.replace(**GEMMA3), "portable-c", kv_cache_dtype)

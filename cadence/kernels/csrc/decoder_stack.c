@@ -95,6 +95,7 @@ typedef struct {
     float eps, scale, softcap; /* softcap: attention scores' cap (Gemma 2's), 0: none */
     /* Routed experts (layers with ``experts``): E, k per token, each one's I, renormalised top-k */
     int64_t num_experts, experts_per_token, expert_intermediate, norm_topk_prob;
+    int64_t rows_apart; /* 1: products through quant_matmul_rows_apart (the batch-invariant mode) */
 } DecoderShape;
 
 enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2, CACHE_Q8_0 = 3 };
@@ -165,12 +166,14 @@ int decoder_store_row(const float *src, int64_t n, int64_t cache_dtype, void *ds
 }
 
 /* out [T, sum of rows] = x [T, k] @ W^T, part by part into its columns. */
-static int project(const BlockMatrix *parts, int64_t num_parts, int64_t k, const float *x, int64_t T,
-                   float *out, int64_t out_width) {
+static int project(const DecoderShape *shape, const BlockMatrix *parts, int64_t num_parts, int64_t k,
+                   const float *x, int64_t T, float *out, int64_t out_width) {
     int64_t column = 0;
     for (int64_t p = 0; p < num_parts; ++p) {
-        int status = quant_matmul((int)parts[p].type, parts[p].blocks, parts[p].rows, k, x, T, k,
-                                  out + column, out_width);
+        const int type = (int)parts[p].type;
+        int status = shape->rows_apart
+            ? quant_matmul_rows_apart(type, parts[p].blocks, parts[p].rows, k, x, T, k, out + column, out_width)
+            : quant_matmul(type, parts[p].blocks, parts[p].rows, k, x, T, k, out + column, out_width);
         if (status) return status;
         column += parts[p].rows;
     }
@@ -278,7 +281,7 @@ static int attention_block(const DecoderShape *shape, const DecoderLayer *layer,
     const int64_t T = step->num_tokens, H = shape->hidden, D = shape->head_dim;
     const int64_t q_size = shape->num_heads * D, qkv_width = q_size + 2 * shape->num_kv_heads * D;
     int status;
-    if ((status = project(layer->qkv, layer->qkv_parts, H, x, T, s->qkv, qkv_width))) return status;
+    if ((status = project(shape, layer->qkv, layer->qkv_parts, H, x, T, s->qkv, qkv_width))) return status;
     if (layer->qkv_bias)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t i = 0; i < qkv_width; ++i) s->qkv[t * qkv_width + i] += layer->qkv_bias[i];
@@ -292,7 +295,7 @@ static int attention_block(const DecoderShape *shape, const DecoderLayer *layer,
     if ((status = write_cache(shape, layer, step, s->qkv, qkv_width))) return status;
     for (int64_t t = 0; t < T; ++t) memcpy(s->q + t * q_size, s->qkv + t * qkv_width, (size_t)q_size * sizeof(float));
     attend(shape, layer, step, s->q, s->attn);
-    return project(&layer->o, 1, q_size, s->attn, T, s->delta, H);
+    return project(shape, &layer->o, 1, q_size, s->attn, T, s->delta, H);
 }
 
 /* s->delta [T, H] = the routed experts' output for ``x`` [T, H], as
@@ -312,7 +315,7 @@ static int moe_block(const DecoderShape *shape, const DecoderLayer *layer, int64
     if (layer->router.type == TYPE_F32_ROWS) {
         if (layer->router.rows != E) return -1;
         linear_f32(x, T, H, (const float *)layer->router.blocks, E, s->logits);
-    } else if ((status = project(&layer->router, 1, H, x, T, s->logits, E))) {
+    } else if ((status = project(shape, &layer->router, 1, H, x, T, s->logits, E))) {
         return status;
     }
     moe_route_f32(s->logits, T, E, k, (int)shape->norm_topk_prob, s->weights, s->ids);
@@ -328,10 +331,10 @@ static int moe_block(const DecoderShape *shape, const DecoderLayer *layer, int64
         const int64_t n = next - start;
         if (n == 0) continue;
         const ExpertMatrices *expert = &layer->experts[e];
-        if ((status = project(expert->gate_up, expert->gate_up_parts, H, s->rows + start * H, n, s->gate_up, 2 * Ie)))
+        if ((status = project(shape, expert->gate_up, expert->gate_up_parts, H, s->rows + start * H, n, s->gate_up, 2 * Ie)))
             return status;
         silu_mul_f32(s->gate_up, s->act, n, Ie);
-        if ((status = project(&expert->down, 1, Ie, s->act, n, s->outs + start * H, H))) return status;
+        if ((status = project(shape, &expert->down, 1, Ie, s->act, n, s->outs + start * H, H))) return status;
     }
     moe_combine_f32(s->outs, s->pair_rows, s->weights, T, k, H, s->delta);
     return 0;
@@ -342,12 +345,12 @@ static int mlp_block(const DecoderShape *shape, const DecoderLayer *layer, int64
     const int64_t H = shape->hidden, I = shape->intermediate;
     int status;
     if (layer->experts) return moe_block(shape, layer, T, x, s);
-    if ((status = project(layer->gate_up, layer->gate_up_parts, H, x, T, s->gate_up, 2 * I))) return status;
+    if ((status = project(shape, layer->gate_up, layer->gate_up_parts, H, x, T, s->gate_up, 2 * I))) return status;
     if (shape->activation == ACT_GELU_TANH)
         gelu_tanh_mul_f32(s->gate_up, s->act, T, I);
     else
         silu_mul_f32(s->gate_up, s->act, T, I);
-    return project(&layer->down, 1, I, s->act, T, s->delta, H);
+    return project(shape, &layer->down, 1, I, s->act, T, s->delta, H);
 }
 
 /* out [T, H] = norm(x) (with ``residual``: residual += x first, and the sum is normed). */
@@ -432,8 +435,8 @@ int decoder_stack(const DecoderShape *shape, const DecoderLayer *layers, const f
 }
 
 /* sizeof and field offsets of the structures, for the binding's test:
- * DecoderLayer (size, then 20 offsets), DecoderShape (size, 20), DecoderStep
- * (size, 15), BlockMatrix (size, 3), ExpertMatrices (size, 3): 66 values. */
+ * DecoderLayer (size, then 20 offsets), DecoderShape (size, 21), DecoderStep
+ * (size, 15), BlockMatrix (size, 3), ExpertMatrices (size, 3): 67 values. */
 int decoder_struct_layout(int64_t *out) {
 #define PUT(value) (*out++ = (int64_t)(value))
     PUT(sizeof(DecoderLayer));
@@ -458,6 +461,7 @@ int decoder_struct_layout(int64_t *out) {
     PUT(offsetof(DecoderShape, eps)); PUT(offsetof(DecoderShape, scale)); PUT(offsetof(DecoderShape, softcap));
     PUT(offsetof(DecoderShape, num_experts)); PUT(offsetof(DecoderShape, experts_per_token));
     PUT(offsetof(DecoderShape, expert_intermediate)); PUT(offsetof(DecoderShape, norm_topk_prob));
+    PUT(offsetof(DecoderShape, rows_apart));
     PUT(sizeof(DecoderStep));
     PUT(offsetof(DecoderStep, num_tokens)); PUT(offsetof(DecoderStep, cos)); PUT(offsetof(DecoderStep, sin));
     PUT(offsetof(DecoderStep, sliding_cos)); PUT(offsetof(DecoderStep, sliding_sin));

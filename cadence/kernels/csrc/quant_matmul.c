@@ -27,6 +27,9 @@
  * dequantize_row_* (and the gguf package) compute them, so results match
  * dequantize-then-matmul of the rounded x up to the order of the float32 sums.
  *
+ * ``quant_matmul_rows_apart`` takes the integer path at every number of rows
+ * (the batch-invariant mode): a row's value is then the one it has alone.
+ *
  * Threads: OpenMP over weight rows or tiles. Loaded after torch, the library
  * shares torch's libgomp and its thread count.
  */
@@ -319,6 +322,7 @@ static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k
     rounded.d = (float *)(rounded.q + count * GROUP);
     rounded.scaled_sum = rounded.d + count;
     rounded.half_sums = with_half_sums ? rounded.scaled_sum + count : NULL;
+    #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
     for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t i = r * groups + g;
@@ -557,38 +561,42 @@ static int64_t tile_rows(int64_t k) {
     return rows < TILE_MULTIPLE ? TILE_MULTIPLE : rows;
 }
 
-/* x's rows rounded as round_group says, then multiplied: integers for few rows,
- * float32 tiles for more (see "activations"). */
+#if DIRECT_MAX_ROWS
+/* Chunk j of x's rounded rows: rows 4 j .. 4 j + 3, a view into ``rounded``. */
+static inline RoundedGroups chunk_of(const RoundedGroups *rounded, int64_t groups, int64_t j) {
+    const int64_t first = j * DIRECT_MAX_ROWS * groups;
+    const RoundedGroups chunk = {rounded->q + first * GROUP, rounded->d + first, rounded->scaled_sum + first,
+                                 rounded->half_sums ? rounded->half_sums + 2 * first : NULL};
+    return chunk;
+}
+#endif
+
+/* x's rows rounded as round_group says, then multiplied in integers, in chunks
+ * of DIRECT_MAX_ROWS rows. Up to DIRECT_CHUNKED_MAX_ROWS rows a weight row, read
+ * from memory once, serves every chunk from L1; past them (the rows-apart
+ * products below) a pass of WEIGHT_ROWS_PER_PASS weight rows meets each chunk in
+ * turn, so that the pass stays in L1 while x's chunks stream. A row's value
+ * depends only on its own integers: the same in any chunk, alone or not. */
+#define WEIGHT_ROWS_PER_PASS 16
 static int products_of_groups(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                               const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
 #if DIRECT_MAX_ROWS
     const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
     if (rounded.q == NULL) return -2;
-    const int64_t groups = k / GROUP;
-    if (m <= DIRECT_MAX_ROWS) { /* one chunk: the decode step of a few streams */
-        #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
-        for (int64_t c = 0; c < n; ++c) direct_row(type, weight + c * stride, groups, &rounded, m, out + c, out_stride);
-        free(rounded.q);
-        return 0;
-    }
-    /* Chunks of up to DIRECT_MAX_ROWS rows of x, each a view into ``rounded``:
-     * a weight row, read from memory once, serves them all from L1. */
-    RoundedGroups chunks[DIRECT_CHUNKED_MAX_ROWS / DIRECT_MAX_ROWS];
-    const int64_t num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
-    for (int64_t j = 0; j < num_chunks; ++j) {
-        const int64_t first = j * DIRECT_MAX_ROWS * groups;
-        chunks[j].q = rounded.q + first * GROUP;
-        chunks[j].d = rounded.d + first;
-        chunks[j].scaled_sum = rounded.scaled_sum + first;
-        chunks[j].half_sums = rounded.half_sums ? rounded.half_sums + 2 * first : NULL;
-    }
+    const int64_t groups = k / GROUP, num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
+    const int64_t pass = m <= DIRECT_CHUNKED_MAX_ROWS ? 1 : WEIGHT_ROWS_PER_PASS;
+    const int64_t num_passes = (n + pass - 1) / pass;
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t c = 0; c < n; ++c)
+    for (int64_t p = 0; p < num_passes; ++p) {
+        const int64_t first = p * pass, end = first + pass < n ? first + pass : n;
         for (int64_t j = 0; j < num_chunks; ++j) {
+            const RoundedGroups chunk = chunk_of(&rounded, groups, j);
             const int64_t rows = m - j * DIRECT_MAX_ROWS < DIRECT_MAX_ROWS ? m - j * DIRECT_MAX_ROWS : DIRECT_MAX_ROWS;
-            direct_row(type, weight + c * stride, groups, &chunks[j], rows,
-                       out + j * DIRECT_MAX_ROWS * out_stride + c, out_stride);
+            for (int64_t c = first; c < end; ++c)
+                direct_row(type, weight + c * stride, groups, &chunk, rows,
+                           out + j * DIRECT_MAX_ROWS * out_stride + c, out_stride);
         }
+    }
     free(rounded.q);
     return 0;
 #else
@@ -597,6 +605,27 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
     return -1;
 #endif
 }
+
+#if DIRECT_MAX_ROWS
+/* Bytes of x's rounded integers per call of products_of_groups in the rows-apart
+ * products: a block of x that stays in L2 while every weight row meets it. */
+#define ROWS_APART_BLOCK_BYTES (128 * 1024)
+
+/* products_of_groups for any number of rows, x taken a block of rows at a time. */
+static int products_rows_apart(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
+                               const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+    int64_t block = ROWS_APART_BLOCK_BYTES / (k * (int64_t)sizeof(int16_t));
+    block -= block % DIRECT_MAX_ROWS;
+    block = block < DIRECT_MAX_ROWS ? DIRECT_MAX_ROWS : block;
+    for (int64_t first = 0; first < m; first += block) {
+        const int64_t rows = m - first < block ? m - first : block;
+        const int status = products_of_groups(type, weight, stride, n, k, x + first * x_stride, rows, x_stride,
+                                              out + first * out_stride, out_stride);
+        if (status) return status;
+    }
+    return 0;
+}
+#endif
 
 #ifdef QUANT_AVX512
 /* Many rows with AVX-512: integer tiles (quant_tiles_avx512.h). */
@@ -659,9 +688,25 @@ int quant_matmul(int type, const uint8_t *weight, int64_t n, int64_t k, const fl
     return products_of_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
 }
 
-/* Rows of x up to which products take the integer path: from one more, every
- * row's value is the one it has in any larger product (the batch-invariant mode
- * pads to it). */
+/* quant_matmul with every row's value independent of the rows beside it, at any
+ * number of rows (the batch-invariant mode): the integer path for all of them
+ * where the build has one (AVX2, AVX-512), else the portable tiles, which
+ * compute each row alone already. The same value a row has in quant_matmul
+ * where that takes the integer path: alone, as a decode step. */
+int quant_matmul_rows_apart(int type, const uint8_t *weight, int64_t n, int64_t k, const float *x, int64_t m,
+                            int64_t x_stride, float *out, int64_t out_stride) {
+#if DIRECT_MAX_ROWS
+    const int64_t stride = row_bytes(type, k);
+    if (stride < 0 || k % (SUPER_BLOCK_TYPE(type) ? 256 : GROUP)) return -1;
+    if (m == 0 || n == 0) return 0;
+    return products_rows_apart(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
+#else
+    return quant_matmul(type, weight, n, k, x, m, x_stride, out, out_stride);
+#endif
+}
+
+/* Rows of x up to which quant_matmul takes the integer path; from one more,
+ * every row's value is the one it has in any larger product. */
 int quant_direct_max_rows(void) { return DIRECT_CHUNKED_MAX_ROWS; }
 
 /* The peak of the integer products' instruction on one core, for the benchmarks:
