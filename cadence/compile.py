@@ -57,6 +57,7 @@ MODULES = (
     "cadence.core.sched.slo",
     "cadence.core.sched.spec_decode",
     "cadence.core.sched.step",
+    "cadence.core.sched.step_faults",
     "cadence.core.sched.stop",
     "cadence.core.sched.structured_output",
     "cadence.core.sched.thinking",

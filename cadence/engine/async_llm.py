@@ -83,6 +83,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed on this request (a step that raised was taken back and
+    the request ended alone; HTTP 500); the engine goes on with the others."""
+
+
 class QueueFullError(RuntimeError):
     """Too many requests wait for a running slot, or a latency target is out of
     reach (answered with HTTP 429; ``retry_after_s`` becomes Retry-After)."""
@@ -568,6 +573,8 @@ class AsyncLLM:
         elif kind == REQUEST_ERROR:
             if message.retry_after_s is not None:  # refused for the load: try again later
                 error: Exception = QueueFullError(message.message, retry_after_s=message.retry_after_s)
+            elif message.internal:
+                error = RequestFailed(message.message)
             else:
                 error = ValueError(message.message)
             self._fail_request(message.request_id, error)

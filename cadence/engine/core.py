@@ -21,6 +21,7 @@ events never pile up in the scheduler.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -35,9 +36,14 @@ from cadence.engine.kv_events import KVEventBatch
 
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Steps scheduled ahead of the one absorbed: the step running and the next one.
 MAX_STEPS_IN_FLIGHT = 2
+# Runner failures in a row the core takes back before it gives up: a request
+# that fails steps is found and ended by the second (its suspects run one at
+# a time, the others succeed between); a fault of the engine fails them all.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 @runtime_checkable
@@ -95,8 +101,13 @@ class EngineCore:
         # (lora_int_id, lora_path) of the adapters the runner accepted.
         self._checked_loras: set[tuple[int, str]] = set()
         self._request_errors: dict[str, str] = {}  # see take_request_errors
-        # Cache events are the Scheduler's, outside the scheduler contract.
+        self.num_failed_steps = 0  # steps the runner raised on, taken back
+        self._runner_faults: set[str] = set()  # of _request_errors: ended by a failed step
+        self._failed_in_a_row = 0
+        # Cache events are the Scheduler's, outside the scheduler contract; so is
+        # taking failed steps back (another scheduler's core stops on one).
         self._take_kv_events = scheduler.take_kv_events if isinstance(scheduler, Scheduler) else None
+        self._take_back_steps = scheduler.take_back_steps if isinstance(scheduler, Scheduler) else None
 
     def add_request(self, request: Request) -> None:
         """Queue a request; its LoRA adapter is loaded first (ValueError: a bad one,
@@ -152,7 +163,11 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_overlapped()
         scheduler_output = self.scheduler.schedule()
-        return self._absorb(scheduler_output, self.runner.execute_model(scheduler_output))
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as error:
+            return self._take_back([scheduler_output], error)
+        return self._absorb(scheduler_output, runner_output)
 
     def _step_overlapped(self) -> dict[int, EngineCoreOutputs]:
         in_flight, executor = self.in_flight, self._executor
@@ -165,13 +180,49 @@ class EngineCore:
         if not in_flight:
             return {}
         scheduler_output, future = in_flight.popleft()
-        return self._absorb(scheduler_output, future.result())
+        try:
+            runner_output = future.result()
+        except Exception as error:
+            failed = [scheduler_output]
+            while in_flight:  # it read what the failed step left: taken back too
+                later, later_future = in_flight.popleft()
+                try:
+                    later_future.result()
+                except Exception:
+                    pass
+                failed.append(later)
+            return self._take_back(failed, error)
+        return self._absorb(scheduler_output, runner_output)
+
+    def _take_back(self, failed: list[SchedulerOutput], error: Exception) -> dict[int, EngineCoreOutputs]:
+        """The runner raised on ``failed``: the scheduler takes the steps back and
+        ends the request found to fail them (``core/sched/step_faults.py``).
+        Re-raised where it cannot, or after MAX_FAILED_STEPS_IN_A_ROW."""
+        self.num_failed_steps += 1
+        self._failed_in_a_row += 1
+        if self._take_back_steps is None or self._failed_in_a_row > MAX_FAILED_STEPS_IN_A_ROW:
+            raise error
+        culprits = self._take_back_steps(failed)
+        if culprits is None:
+            raise error
+        log.error("the model runner failed on a step of %d requests; taken back%s",
+                  len({r for output in failed for r in output.num_scheduled_tokens}),
+                  f", ending {', '.join(culprits)}" if culprits else ", its requests run again one suspect at a time",
+                  exc_info=error)
+        if culprits:
+            self.scheduler.finish_requests(culprits, RequestStatus.FINISHED_ABORTED)
+            why = f"the model runner failed on this request: {type(error).__name__}: {error}"
+            self._request_errors.update(dict.fromkeys(culprits, why))
+            self._runner_faults.update(culprits)
+        self._publish_kv_events()
+        return {}
 
     def _absorb(self, scheduler_output: SchedulerOutput,
                 runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         """Take a step's results; requests the runner could not serve end first,
         their reasons kept for ``take_request_errors``."""
         self._count_step(scheduler_output)
+        self._failed_in_a_row = 0
         if runner_output.failed_requests:
             self.scheduler.finish_requests(list(runner_output.failed_requests),
                                            RequestStatus.FINISHED_ABORTED)
@@ -189,6 +240,12 @@ class EngineCore:
         """Requests ended because the runner could not serve them: id -> why."""
         errors, self._request_errors = self._request_errors, {}
         return errors
+
+    def take_runner_faults(self) -> set[str]:
+        """Of the ids ``take_request_errors`` gave: those a failed step ended (the
+        engine's fault, not the request's input)."""
+        faults, self._runner_faults = self._runner_faults, set()
+        return faults
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (refused while blocks are owned); the

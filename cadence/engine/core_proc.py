@@ -171,8 +171,9 @@ class EngineCoreProc:
     def _step(self) -> None:
         self._stepped_since_idle = True
         outputs = self.core.step()
-        for request_id, why in self.core.take_request_errors().items():
-            error = wire.RequestError(request_id, why)
+        errors, faults = self.core.take_request_errors(), self.core.take_runner_faults()
+        for request_id, why in errors.items():
+            error = wire.RequestError(request_id, why, internal=request_id in faults)
             self.outputs.send_multipart(wire.encode(wire.REQUEST_ERROR, error))
         if not outputs:
             # No request produced anything (prefill chunks, or only frees after an

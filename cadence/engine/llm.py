@@ -160,6 +160,7 @@ class LLM:
         core = self.engine.core
         finals: dict[str, RequestOutput | None] = {}  # None: failed, see errors
         errors: dict[str, str] = {}
+        faults: set[str] = set()  # of errors: the engine's (a failed step), not the input's
         wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm, unit="req")
         while len(finals) < len(wanted) and core.has_work():
@@ -174,12 +175,14 @@ class LLM:
                     finals[result.request_id] = result
                     bar.update(1)
             errors.update(core.take_request_errors())
+            faults |= core.take_runner_faults()
             finals.update(dict.fromkeys(errors.keys() & wanted - finals.keys()))
         bar.close()
         while core.has_work() and not core.scheduler.has_unfinished_requests():
             core.step()  # report the last finished ids to the runner
         if errors:  # the others ran to the end first
-            raise ValueError("; ".join(f"request {request_id}: {why}" for request_id, why in errors.items()))
+            message = "; ".join(f"request {request_id}: {why}" for request_id, why in errors.items())
+            raise RuntimeError(message) if faults else ValueError(message)
         return [finals[request_id] for request_id in request_ids]
 
     def _count_drafts(self, step_outputs) -> None:

@@ -86,6 +86,7 @@ class RequestError(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     message: str
     retry_after_s: float | None = None  # set: the load refused it (HTTP 429), not the input
+    internal: bool = False  # the engine failed on it (HTTP 500), not the input: a step taken back
 
 
 class EngineFailed(msgspec.Struct, gc=False):

@@ -7,6 +7,7 @@ Every failure a request can meet maps to one status here:
     unknown model (or LoRA adapter)   404  param = "model" ("lora_name" for an unload)
     QueueFullError                    429
     GenerationFailed (engine died)    500  for requests that were in flight
+    RequestFailed (a step failed)     500  that request only; the engine goes on
     EngineDeadError                   503  for new requests, and /health
     anything else (a bug)             500  logged; the connection stays usable
 
@@ -31,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cadence.engine.async_llm import EngineDeadError, QueueFullError
+from cadence.engine.async_llm import EngineDeadError, QueueFullError, RequestFailed
 
 ERROR_TYPES = {
     400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -174,6 +175,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, err: EngineDeadError) -> JSONResponse:
         return error_response(503, f"the engine is not available: {err}")
+
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(_: Request, err: RequestFailed) -> JSONResponse:
+        return error_response(500, f"generation failed: {err}")
 
     @app.exception_handler(GenerationFailed)
     async def _failed(_: Request, err: GenerationFailed) -> JSONResponse:

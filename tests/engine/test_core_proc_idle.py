@@ -42,6 +42,9 @@ class FakeCore:
     def take_request_errors(self) -> dict:
         return {}
 
+    def take_runner_faults(self) -> set:
+        return set()
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.num_steps += 2
 

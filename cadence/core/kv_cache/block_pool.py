@@ -169,6 +169,16 @@ class BlockPool:
     def get_cached_block(self, block_hash: Any) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
+    def forget(self, block_hash: Any) -> None:
+        """Take ``block_hash`` out of the prefix cache; its block stays where it
+        is, anonymous (a step that was to write it failed: it holds no such KV)."""
+        block = self.cached_blocks.pop(block_hash, None)
+        if block is None:
+            return
+        block.block_hash = None
+        if self.enable_events:
+            self._events.append(BlockRemoved([block_hash]))
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (reviving free ones)."""
         for block in blocks:

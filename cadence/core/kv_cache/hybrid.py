@@ -413,6 +413,16 @@ class HybridKVCacheManager(KVCacheManagerBase):
     def free_block_hashes(self, request: Request) -> None:
         request.block_hashes = []
 
+    def forget_blocks(self, request: Request, first: int, end: int) -> None:
+        """``KVCacheManager.forget_blocks``, in every group."""
+        if not self.enable_caching:
+            return
+        end = min(end, request.num_tokens // self.block_size)
+        hashes, forget, key = self._block_hashes(request, end), self.block_pool.forget, self._key
+        for i in range(first, end):
+            for g in range(self.num_groups):
+                forget(key(hashes[i], g))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any request holds a block."""
         pool = self.block_pool

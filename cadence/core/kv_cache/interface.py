@@ -79,6 +79,9 @@ class KVCacheManagerBase:
     def free_block_hashes(self, request: Request) -> None:
         raise NotImplementedError
 
+    def forget_blocks(self, request: Request, first: int, end: int) -> None:
+        raise NotImplementedError
+
     def reset_prefix_cache(self) -> bool:
         raise NotImplementedError
 

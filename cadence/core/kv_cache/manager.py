@@ -284,6 +284,18 @@ class KVCacheManager(KVCacheManagerBase):
         """Drop the request's hash list once it can never be scheduled again."""
         request.block_hashes = []
 
+    def forget_blocks(self, request: Request, first: int, end: int) -> None:
+        """Take the request's full blocks ``first`` to ``end`` (indices) out of the
+        prefix cache, whichever block holds each hash now: a step that was to
+        write them failed (an equal block another request computed goes too:
+        a lost hit, never a wrong one)."""
+        if not self.enable_caching:
+            return
+        end = min(end, request.num_tokens // self.block_size)
+        hashes, forget = self._block_hashes(request, end), self.block_pool.forget  # (a freed request's again)
+        for i in range(first, end):
+            forget(hashes[i])
+
     def reset_prefix_cache(self) -> bool:
         ok = self.block_pool.reset_prefix_cache()
         if ok and self.prefix_cache_stats is not None:

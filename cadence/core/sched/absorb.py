@@ -32,7 +32,7 @@ from cadence.core.outputs import (
 )
 from cadence.core.request import Request, RequestStatus
 from cadence.core.sched import spec_decode
-from cadence.core.sched.lifecycle import RequestLifecycle
+from cadence.core.sched.step_faults import StepFaults
 from cadence.core.sched.stop import append_token, append_tokens
 
 if TYPE_CHECKING:
@@ -45,13 +45,13 @@ _PREEMPTED = RequestStatus.PREEMPTED  # statuses above it are finished ones
 
 
 @trait
-class OutputAbsorber(RequestLifecycle):
+class OutputAbsorber(StepFaults):
     """Methods of ``Scheduler`` that turn a ``ModelRunnerOutput`` into request
     state and ``EngineCoreOutputs``.
 
     A mixin with no state of its own; it frees and forks requests through
-    the scheduler's lifecycle methods (``lifecycle``), its base, and
-    implements the interface's ``update_from_output``.
+    the scheduler's lifecycle methods (``lifecycle``, under its base
+    ``step_faults``), and implements the interface's ``update_from_output``.
     """
 
     # The scheduler's state these methods read and change (see Scheduler.__init__).
@@ -74,6 +74,7 @@ class OutputAbsorber(RequestLifecycle):
         Plain decodes take the short path inline; everything else goes
         through ``_update_request``.
         """
+        self.num_steps_absorbed += 1
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         # A runner that keeps the scheduler's order has request i in row i:
@@ -132,6 +133,8 @@ class OutputAbsorber(RequestLifecycle):
             self._remove_finished_from_queues(stopped)
         if model_runner_output.kv_connector_output is not None:
             self._absorb_kv_transfers(model_runner_output.kv_connector_output)
+        if self.suspects or self.freed_in_flight:
+            self._after_absorbed(scheduler_output)
         return self._make_engine_core_outputs(outputs, spec_stats)
 
     def _is_plain_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> bool:

@@ -78,6 +78,14 @@ class RequestLifecycle(SchedulerInterface):
     _pending_cancels: set[str]  # cancelled from other threads, applied by schedule()
     _orphan_outputs: list[EngineCoreOutput]  # of requests finished inside schedule()
     _orphan_clients: list[int]
+    async_scheduling: bool
+    step_counter: int  # steps scheduled so far
+    num_steps_absorbed: int  # steps whose results came back (update_from_output)
+    # Requests freed while steps were in flight (async scheduling), kept until
+    # those steps come back: one that failed had entered their blocks in the
+    # prefix cache (``step_faults``). req_id -> (request, step_counter then).
+    freed_in_flight: dict[str, tuple[Request, int]]
+    suspects: set[str]  # requests a failed step held (``step_faults``)
 
     # ------------------------------------------------------------------
     # entering
@@ -262,6 +270,10 @@ class RequestLifecycle(SchedulerInterface):
 
     def _free_blocks(self, request: Request) -> None:
         """The last step of leaving: blocks back to the pool, the request forgotten."""
+        if self.async_scheduling and self.step_counter > self.num_steps_absorbed:
+            self.freed_in_flight[request.request_id] = (request, self.step_counter)
+        if self.suspects:
+            self.suspects.discard(request.request_id)
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.free_block_hashes(request)
         self.requests.pop(request.request_id, None)

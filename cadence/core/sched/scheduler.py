@@ -219,6 +219,12 @@ class Scheduler(OutputAbsorber):
         self._orphan_clients: list[int] = []
         self.kv_events: list[KVCacheEvent] = []
         self.step_counter = 0
+        # Failed steps taken back (step_faults): suspects, ids for the runner to
+        # drop, steps absorbed, requests freed while steps ran.
+        self.suspects: set[str] = set()
+        self.taken_back_req_ids: set[str] = set()
+        self.num_steps_absorbed = 0
+        self.freed_in_flight: dict[str, tuple[Request, int]] = {}
         # Waiting request id -> the step it was first blocked (max_blocked_bypass_steps).
         self._blocked_since: dict[str, int] = {}
         self.num_preemptions_total = 0
@@ -460,6 +466,8 @@ class Scheduler(OutputAbsorber):
                 # Displaced in this very step: it does not come back in the same one
                 # (with a step in flight its placeholders would count twice).
                 break
+            if self.suspects and request.request_id in self.suspects and self._has_running_suspect():
+                break  # one suspect of a failed step runs at a time (step_faults)
             if not self._is_ready(request) or (plan.loras and not plan.loras.can_add(request)):
                 skipped.append(waiting.pop_request())
                 continue
@@ -736,7 +744,7 @@ class Scheduler(OutputAbsorber):
             scheduled_encoder_inputs=plan.encoder_inputs,
             num_common_prefix_blocks=self._num_common_prefix_blocks(),
             finished_req_ids=self._take_finished_req_ids(),
-            preempted_req_ids={r.request_id for r in plan.preempted},
+            preempted_req_ids=self._preempted_ids(plan),
             free_encoder_input_ids=self.encoder_cache_manager.take_freed_ids(),
             structured_output_request_ids=structured_ids,
         )
@@ -755,6 +763,14 @@ class Scheduler(OutputAbsorber):
         self.num_preemptions_total += len(plan.preempted)
         self.step_counter += 1
         return output
+
+    def _preempted_ids(self, plan: StepPlan) -> set[str]:
+        """Ids whose rows the runner drops: this step's preempted, and any taken back."""
+        preempted = {r.request_id for r in plan.preempted}
+        if self.taken_back_req_ids:
+            preempted |= self.taken_back_req_ids
+            self.taken_back_req_ids = set()
+        return preempted
 
     def _make_cached_request_data(self, plan: StepPlan) -> CachedRequestData:
         running, resumed = plan.running, plan.resumed
