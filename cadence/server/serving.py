@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from cadence.core.request import LoRARequest
-from cadence.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from cadence.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailed, RequestStream
 from cadence.engine.inputs import prompt_token_ids
 from cadence.engine.outputs import RequestOutput
 from cadence.models.chat_template import render_chat_template
@@ -468,7 +468,7 @@ def event_stream(chunks: AsyncIterator[str], streams: list[RequestStream]) -> St
         try:
             async for chunk in chunks:
                 yield chunk
-        except (EngineDeadError, GenerationFailed) as err:
+        except (EngineDeadError, GenerationFailed, RequestFailed) as err:
             yield sse(error_body(500, f"generation failed: {err}"))
             yield SSE_DONE  # as vLLM: the error event, then the stream's usual end
         except ValueError as err:
