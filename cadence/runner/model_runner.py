@@ -49,6 +49,7 @@ from cadence.runner.ngram_drafter import NgramDrafter
 from cadence.runner.pooling import Pooler
 from cadence.runner.sampler import Sampler, compute_prompt_logprobs
 from cadence.runner.sampling_metadata import SamplingMetadata, make_generator
+from cadence.runner.seeded_streams import SeededStreams
 from cadence.runner.step_sampling import (
     accept_drafts, apply_grammar, logprobs_lists, suppress_stops_before_min_tokens,
 )
@@ -147,6 +148,7 @@ class ModelRunner(RunnerBase):
             return_freed_memory()  # the load's leftovers, before the cache takes its place
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, RequestState] = {}  # in the batch or preempted
+        self.seeded = SeededStreams()  # seeded requests' generators, rewound after a discarded step
         self.sampler = Sampler()
         self.pooler = Pooler(model_config.pooling_type)  # embedding requests
         self.drafter = _make_drafter(speculative_config)
@@ -307,6 +309,8 @@ class ModelRunner(RunnerBase):
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                      failed_requests=failed)
+        if len(self.seeded):
+            self.seeded.note_step(scheduler_output.num_scheduled_tokens, self.requests)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         step = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         if self.lora is not None:
@@ -418,6 +422,7 @@ class ModelRunner(RunnerBase):
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.seeded.forget(req_id)
             if req_id in batch:
                 batch.remove(req_id)
         for req_id in scheduler_output.preempted_req_ids:
@@ -514,16 +519,23 @@ class ModelRunner(RunnerBase):
         """The request's own generator when it has a seed.
 
         A request sent anew after preemption keeps the generator it had, so
-        its seeded stream goes on instead of restarting.
+        its seeded stream goes on instead of restarting; sent anew after
+        steps the engine discarded, the generator goes back to where the
+        first of them found it (``seeded_streams``).
         """
         seed = new_req.sampling_params.seed
+        req_id = new_req.req_id
         if seed is None:
+            self.seeded.forget(req_id)
             return None
-        old = self.requests.get(new_req.req_id)
-        if old is not None and old.generator is not None:
-            if old.sampling_params == new_req.sampling_params:
-                return old.generator
-        return make_generator(seed, self.device)
+        old = self.requests.get(req_id)
+        if old is not None and old.generator is not None and old.sampling_params == new_req.sampling_params:
+            self.seeded.rewind(req_id, len(new_req.output_token_ids))
+            return old.generator
+        self.seeded.forget(req_id)
+        generator = make_generator(seed, self.device)
+        self.seeded.track(req_id, generator)
+        return generator
 
     def _update_cached_request(self, cached: CachedRequestData, i: int) -> None:
         req_id, num_computed = cached.req_ids[i], cached.num_computed_tokens[i]

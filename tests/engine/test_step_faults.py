@@ -86,3 +86,41 @@ def test_a_request_a_failed_step_ended_is_a_server_error_not_a_bad_request():
     response = TestClient(app, raise_server_exceptions=False).get("/fails")
     assert response.status_code == 500
     assert "the model runner failed on this request" in response.json()["error"]["message"]
+
+
+def failing_once_after(runner, num_steps: int):
+    """``runner.execute_model`` that runs every step, and raises after the
+    ``num_steps``-th (when its requests have sampled) once."""
+    real, count = runner.execute_model, [0]
+
+    def execute_model(scheduler_output):
+        output = real(scheduler_output)
+        count[0] += 1
+        if count[0] == num_steps:
+            raise RuntimeError("a transient fault")
+        return output
+
+    return execute_model
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_streams_go_on_as_if_the_failed_step_never_ran(monkeypatch, async_scheduling):
+    # The failed step drew from both seeded requests' generators before it
+    # raised (and, async, the step in flight behind it drew again); taken
+    # back and run again, each request's tokens are those of a clean run.
+    # Batch-invariant: a request run again (recomputed, alone, beside others)
+    # gets the same logits, so only its stream can change its tokens.
+    llm = LLM(dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB", max_model_len=512,
+              async_scheduling=async_scheduling, batch_invariant="on")
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=seed, ignore_eos=True)
+              for seed in (11, 12)]
+    params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    clean = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    core = llm.engine.core
+    assert core.reset_prefix_cache()
+    monkeypatch.setattr(core.runner, "execute_model", failing_once_after(core.runner, 6))
+    again = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    assert core.num_failed_steps == 1
+    assert again == clean
+    assert all_blocks_free(core.scheduler)
