@@ -27,7 +27,11 @@ Short queries (decodes, speculative verification) take one of two paths:
 
 Longer prefill chunks run one sequence at a time on
 ``scaled_dot_product_attention`` with a causal mask offset by the cached
-prefix; in the batch-invariant mode (``cadence.runner.batch_invariance``)
+prefix; where a sliding window cuts a chunk's context, in pieces of
+``WINDOW_PIECE_QUERY_LEN`` query tokens, each reading only the keys its
+window reaches (one masked call computes every score, seen or not: on
+Gemma 3's local layers a 2,000-token prompt's attention took 2.7x as long
+whole); in the batch-invariant mode (``cadence.runner.batch_invariance``)
 they take the native kernel too, in pieces of at most
 ``NATIVE_PIECE_QUERY_LEN`` query tokens: the kernel computes each query row
 alone, its keys in position order, so a row's result does not depend on how
@@ -58,6 +62,10 @@ MAX_BATCHED_QUERY_LEN = 8
 # Query tokens per piece of a long query on the native kernel (batch-invariant
 # mode): pieces bound its scratch memory and spread one prompt over the threads.
 NATIVE_PIECE_QUERY_LEN = 32
+# Query tokens per SDPA call of a long query whose keys a sliding window cuts:
+# one call would compute (then mask) every score of the query against its whole
+# context; a piece computes only those its window reaches.
+WINDOW_PIECE_QUERY_LEN = 256
 
 
 @dataclass
@@ -122,7 +130,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
     batched: list[BatchedPlan]  # short queries, in groups of similar length
-    prefills: list[PrefillPlan]  # long queries, one each
+    prefills: list[PrefillPlan]  # long queries, one each (in pieces under a sliding window)
     short: ShortQueryIndex | None = None  # short queries, for the native kernel
     native_long: bool = False  # ``short`` also holds pieces of long queries (batch-invariant mode)
 
@@ -175,11 +183,12 @@ class AttentionMetadata:
                 block_size, sliding_window,
             ))
         prefills = [
-            _plan_prefill(
+            plan
+            for s in long
+            for plan in _plan_prefill_pieces(
                 query_start_loc[s], query_lens[s], seq_lens[s], block_table[s],
                 block_size, sliding_window,
             )
-            for s in long
         ]
         return cls(slot_mapping=slot_mapping, batched=batched, prefills=prefills, short=short_index)
 
@@ -335,6 +344,29 @@ def _padded_keys(
     block_index = torch.gather(block_table, 1, block_col)
     k_pos = first_block[:, None] * block_size + torch.arange(num_blocks * block_size)
     return block_index, k_pos
+
+
+def _plan_prefill_pieces(
+    query_start: int,
+    query_len: int,
+    seq_len: int,
+    block_row: torch.Tensor,  # [max_blocks]
+    block_size: int,
+    sliding_window: int | None,
+) -> list[PrefillPlan]:
+    """One long query chunk's plans: itself whole, or, where a sliding window
+    cuts its context, pieces of WINDOW_PIECE_QUERY_LEN query tokens, each
+    planned as a chunk whose earlier tokens are cached (every new key is in the
+    cache before any layer reads it), so that a piece reads only its window."""
+    piece = WINDOW_PIECE_QUERY_LEN
+    if sliding_window is None or seq_len <= sliding_window or query_len <= piece:
+        return [_plan_prefill(query_start, query_len, seq_len, block_row, block_size, sliding_window)]
+    num_cached = seq_len - query_len
+    return [
+        _plan_prefill(query_start + j0, min(piece, query_len - j0), num_cached + min(query_len, j0 + piece),
+                      block_row, block_size, sliding_window)
+        for j0 in range(0, query_len, piece)
+    ]
 
 
 def _plan_prefill(

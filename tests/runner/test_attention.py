@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from cadence.runner import attention
 from cadence.runner.attention import AttentionMetadata, PagedAttention
 from cadence.runner.kv_cache import PagedKVCache, num_blocks_for_budget
 from cadence.kernels.paged_attention import paged_attention
@@ -116,6 +117,45 @@ def test_matches_dense_reference_float32(seed, sliding_window, kernel):
     for i, (num_cached, query_len, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, sliding_window)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_long_queries_cut_into_window_pieces_match_the_dense_reference(seed, kernel, monkeypatch):
+    """With a sliding window, a long query runs as pieces that each read only its
+    window: pieces of 3 or 8 tokens here against windows of 4-20, with and without
+    a cached prefix, blocks of 1-16 tokens, soft-capped or not."""
+    monkeypatch.setattr(attention, "WINDOW_PIECE_QUERY_LEN", 3 + 5 * (seed % 2))
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dims = dict(num_heads=4, head_dim=rng.choice([8, 64]), block_size=rng.choice([1, 4, 16]),
+                dtype=torch.float32)
+    window, softcap = rng.choice([4, 7, 20]), rng.choice([None, 2.0])
+    cache, seqs = make_step(rng, num_seqs=rng.randint(2, 6), num_blocks=256, num_kv_heads=2, **dims)
+    q, out, starts = run_step(cache, seqs, sliding_window=window, kernel=kernel, softcap=softcap, **dims)
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, window, softcap)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_cuts_a_long_query_into_pieces_that_read_only_their_window():
+    """1,000 new tokens after 100 cached, a 128-token window: four pieces of at most
+    256 query tokens, each reading at most its own tokens and the 127 before them."""
+    block_size, window = 16, 128
+    table = torch.arange(80, dtype=torch.int32)[None, :]
+    slots = torch.arange(100, 1100)
+    pieces = AttentionMetadata.build([0, 1000], [1100], table, slots, block_size, window).prefills
+    piece = attention.WINDOW_PIECE_QUERY_LEN
+    assert [(p.query_start, p.query_end) for p in pieces] == [(j, min(1000, j + piece)) for j in range(0, 1000, piece)]
+    for p in pieces:
+        num_queries = p.query_end - p.query_start
+        first_key = max(0, 100 + p.query_start - (window - 1))
+        assert p.kv_len == 100 + p.query_end - first_key <= num_queries + window - 1
+        assert p.block_ids.tolist() == list(range(first_key // block_size, -(-(100 + p.query_end) // block_size)))
+        assert p.mask.shape == (num_queries, p.kv_len)
+    # No window, or one that covers the whole context: the query stays whole.
+    for whole_window in (None, 1100):
+        (whole,) = AttentionMetadata.build([0, 1000], [1100], table, slots, block_size, whole_window).prefills
+        assert (whole.query_start, whole.query_end, whole.kv_len) == (0, 1000, 1100)
 
 
 @pytest.mark.parametrize("seed", range(6))
