@@ -4,7 +4,9 @@
 Q6_K, IQ4_NL, IQ4_XS) and x
 rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
 rounds its activations to int8; these steps are 256 times finer;
-``round_activations`` shows the values). A decode step's few rows (up to 4,
+``round_activations`` shows the values), or, for the types of
+``quantized.BYTE_ACTIVATION_TYPES`` (Q4_K), to int8 steps of max|x| / 127, which
+the AVX2 build multiplies as bytes. A decode step's few rows (up to 4,
 or up to ``direct_max_rows``: 12 while M * K <= 10240 with AVX-512, 16 of any
 length with AVX2 alone) multiply the weight's integers with x's in registers, four rows at a time
 (about half the instructions of decoding the weights to float32); more rows get a few weight rows at a time decoded to float32 and multiplied
@@ -48,8 +50,8 @@ SIGNATURES = {
     "quant_matmul": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
     # the same arguments
     "quant_matmul_rows_apart": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64],
-    # x, m, k, out
-    "quant_round_activations": [_PTR, _I64, _I64, _PTR],
+    # type, x, m, k, out
+    "quant_round_activations": [_INT, _PTR, _I64, _I64, _PTR],
     # type, weight, k, ids, count, out
     "quant_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _PTR],
     # iterations -> multiply-adds done
@@ -98,15 +100,15 @@ class QuantMatmul:
             _check_status(status)
         return out
 
-    def round_activations(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 as the products see it: each group of 32 values rounded to
-        int16 steps of max|x| / 32767 (``quantized.round_activations`` in PyTorch
-        computes the same)."""
+    def round_activations(self, x: torch.Tensor, type_id: int = 8) -> torch.Tensor:
+        """x [M, K] float32 as the products on ``type_id``'s weights see it: each group of
+        32 values rounded to int16 steps of max|x| / 32767, or int8 steps of max|x| / 127
+        for the byte types (``quantized.round_activations`` in PyTorch computes the same)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32:
             raise ValueError(f"quant_round_activations: x must be float32 [M, 32n], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         out = torch.empty_like(x)
-        _check_status(self._functions["quant_round_activations"](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()))
+        _check_status(self._functions["quant_round_activations"](type_id, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()))
         return out
 
     def int16_peak_macs(self, iterations: int) -> int:

@@ -65,6 +65,11 @@
  * 1.2-2.1x), and up to 16 rows (13-16 rows: decode steps 1.2-1.4x, past 20
  * the tiles win; avx2-chunks-any-k-v1), so without AVX-512 they take up to 16
  * rows of any length. */
+#ifndef QUANT_AVX512
+/* The AVX2 build multiplies the types that round x to bytes (byte_activations)
+ * as bytes: maddubs, 32 products in one instruction. */
+#define BYTE_PRODUCTS 1
+#endif
 #ifdef QUANT_AVX512
 #define DIRECT_CHUNKED_MAX_ROWS 12
 #define DIRECT_CHUNKED_MAX_VALUES 10240
@@ -252,19 +257,29 @@ static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *ti
  * x enters every product rounded, per group of 32 values, to int16 steps of
  * d = max|x| / 32767: q = x / d to the nearest integer, ties to even (as
  * llama.cpp rounds its activations to int8, but 256 times finer: a value
- * moves by at most 1/65534 of its group's largest). The decode path
- * multiplies these integers with the weight's own; the tile path the rounded
- * values q * d as float32. Both compute one product, up to the order of
- * float32 sums, whatever the number of rows. */
+ * moves by at most 1/65534 of its group's largest). For the types of
+ * byte_activations the steps are int8's, d = max|x| / 127, as llama.cpp's:
+ * their AVX2 products then multiply bytes (maddubs), 1.6x the weights read per
+ * second of the int16 products on an AVX2-only EPYC (BENCHMARKS.md,
+ * avx2-byte-products-v1). Every build and path rounds a type alike. The
+ * decode path multiplies these integers with the weight's own; the tile path
+ * the rounded values q * d as float32. Both compute one product, up to the
+ * order of float32 sums, whatever the number of rows. */
 
-/* One group of x: its 32 integers q, its step d (returned) and d * sum(q). */
-static float round_group(const float *x, int16_t *q, float *scaled_sum) {
+/* Whether x meets ``type``'s weights rounded to int8 steps (else int16's). */
+static inline int byte_activations(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+
+/* The largest integer of x's rounding for ``type``: 127 or 32767. */
+static inline float activation_steps(int type) { return byte_activations(type) ? 127.0f : 32767.0f; }
+
+/* One group of x: its 32 integers q (|q| <= steps), its step d (returned) and d * sum(q). */
+static float round_group(const float *x, float steps, int16_t *q, float *scaled_sum) {
     float amax = 0.0f;
     for (int i = 0; i < GROUP; ++i) {
         const float v = fabsf(x[i]);
         amax = v > amax ? v : amax;
     }
-    const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / steps, id = d != 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int i = 0; i < GROUP; ++i) {
         const int value = (int)rintf(x[i] * id);
@@ -275,22 +290,23 @@ static float round_group(const float *x, int16_t *q, float *scaled_sum) {
     return d;
 }
 
-/* The rounded values q * d of x [m, k] (row stride xs) into out [m, k]. */
-static void rounded_rows(const float *x, int64_t m, int64_t xs, int64_t k, float *out) {
+/* The rounded values q * d of x [m, k] (row stride xs) into out [m, k], for ``type``. */
+static void rounded_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k, float *out) {
+    const float steps = activation_steps(type);
     #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
     for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < k / GROUP; ++g) {
             int16_t q[GROUP];
             float scaled_sum;
-            const float d = round_group(x + r * xs + g * GROUP, q, &scaled_sum);
+            const float d = round_group(x + r * xs + g * GROUP, steps, q, &scaled_sum);
             for (int i = 0; i < GROUP; ++i) out[r * k + g * GROUP + i] = (float)q[i] * d;
         }
 }
 
-/* Exported for the tests: rounded_rows of x [m, k] (contiguous). */
-int quant_round_activations(const float *x, int64_t m, int64_t k, float *out) {
+/* Exported for the tests: rounded_rows of x [m, k] (contiguous) for ``type``. */
+int quant_round_activations(int type, const float *x, int64_t m, int64_t k, float *out) {
     if (k % GROUP) return -1;
-    rounded_rows(x, m, k, k, out);
+    rounded_rows(type, x, m, k, k, out);
     return 0;
 }
 
@@ -304,30 +320,54 @@ int quant_round_activations(const float *x, int64_t m, int64_t k, float *out) {
 
 /* Rows of x rounded for the integer products: group i (row-major over rows) is
  * q[32 i .. 32 i + 31] (32-byte aligned), step d[i], scaled_sum[i] = d * sum(q), and
- * half_sums[2 i], [2 i + 1] = d * sum(q) over values 0..15 and 16..31. */
+ * half_sums[2 i], [2 i + 1] = d * sum(q) over values 0..15 and 16..31; where the
+ * build multiplies bytes, q8 the same integers as bytes and half_q[2 i], [2 i + 1]
+ * the sums of q over values 0..15 and 16..31 (|sum| <= 16 * 127). */
 typedef struct {
     int16_t *q;
     float *d, *scaled_sum, *half_sums;
+    int8_t *q8;
+    int16_t *half_q;
 } RoundedGroups;
 
-/* x [m, k] (row stride xs) rounded into one allocation (free ``q``), or q NULL. */
-/* half_sums only where ``with_half_sums`` (Q2_K's products read them); NULL elsewhere. */
-static RoundedGroups round_rows(const float *x, int64_t m, int64_t xs, int64_t k, int with_half_sums) {
+/* x [m, k] (row stride xs) rounded for ``type`` into one allocation (free ``q``),
+ * or q NULL. half_sums only for Q2_K (its products read them), q8 only where
+ * BYTE_PRODUCTS takes the type; NULL elsewhere. */
+static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k) {
     const int64_t groups = k / GROUP, count = m * groups;
-    RoundedGroups rounded = {NULL, NULL, NULL, NULL};
-    if (posix_memalign((void **)&rounded.q, 64, (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float)))) {
+    const int with_half_sums = type == TYPE_Q2_K;
+#ifdef BYTE_PRODUCTS
+    const int with_bytes = byte_activations(type);
+#else
+    const int with_bytes = 0;
+#endif
+    const float steps = activation_steps(type);
+    RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL};
+    const size_t bytes = (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float) +
+                                          (with_bytes ? GROUP + 2 * sizeof(int16_t) : 0));
+    if (posix_memalign((void **)&rounded.q, 64, bytes)) {
         rounded.q = NULL;
         return rounded;
     }
     rounded.d = (float *)(rounded.q + count * GROUP);
     rounded.scaled_sum = rounded.d + count;
     rounded.half_sums = with_half_sums ? rounded.scaled_sum + count : NULL;
+    rounded.q8 = with_bytes ? (int8_t *)(rounded.scaled_sum + 3 * count) : NULL;
+    rounded.half_q = with_bytes ? (int16_t *)(rounded.q8 + count * GROUP) : NULL;
     #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
     for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t i = r * groups + g;
             const int16_t *q = rounded.q + i * GROUP;
-            rounded.d[i] = round_group(x + r * xs + g * GROUP, rounded.q + i * GROUP, rounded.scaled_sum + i);
+            rounded.d[i] = round_group(x + r * xs + g * GROUP, steps, rounded.q + i * GROUP, rounded.scaled_sum + i);
+            if (with_bytes) {
+                int16_t halves[2] = {0, 0};
+                for (int l = 0; l < GROUP; ++l) {
+                    rounded.q8[i * GROUP + l] = (int8_t)q[l];
+                    halves[l / (GROUP / 2)] += q[l];
+                }
+                rounded.half_q[2 * i] = halves[0], rounded.half_q[2 * i + 1] = halves[1];
+            }
             if (!with_half_sums) continue;
             int32_t first = 0, second = 0;
             for (int l = 0; l < GROUP / 2; ++l) first += q[l], second += q[l + GROUP / 2];
@@ -429,24 +469,30 @@ static inline __m256i spread_word(__m256i words, int t) {
     return _mm256_shuffle_epi8(words, _mm256_set1_epi16((short)((2 * t + 1) << 8 | 2 * t)));
 }
 
-/* Half n of a Q6_K super-block (groups 4 n .. 4 n + 3, see q6_k_group) as 16-bit
- * integers, its 96 bytes loaded once: group c's values 0..15 in w[2 c], 16..31 in
- * w[2 c + 1], each q - 32 times its per-16 scale (|scale (q - 32)| <= 4096). */
-static inline __attribute__((always_inline)) void q6_k_half_words(const uint8_t *block, int n, __m256i w[8]) {
+/* Half n of a Q6_K super-block (groups 4 n .. 4 n + 3, see q6_k_group), its 96
+ * bytes loaded once: group c's 32 values q (0..63) as bytes in bytes[c]. */
+static inline __attribute__((always_inline)) void q6_k_half_bytes(const uint8_t *block, int n, __m256i bytes[4]) {
     const uint8_t *ql = block + 64 * n, *qh = block + 128 + 32 * n;
     const __m256i first = _mm256_loadu_si256((const __m256i *)ql);
     const __m256i second = _mm256_loadu_si256((const __m256i *)(ql + 32));
     const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
-    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
-    const __m256i bytes[4] = {
-        _mm256_or_si256(_mm256_and_si256(first, nibble), _mm256_slli_epi16(_mm256_and_si256(high, pair), 4)),
-        _mm256_or_si256(_mm256_and_si256(second, nibble),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), pair), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(first, 4), nibble),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), pair), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(second, 4), nibble),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), pair), 4)),
-    };
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    bytes[0] = _mm256_or_si256(_mm256_and_si256(first, nibble), _mm256_slli_epi16(_mm256_and_si256(high, pair), 4));
+    bytes[1] = _mm256_or_si256(_mm256_and_si256(second, nibble),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), pair), 4));
+    bytes[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(first, 4), nibble),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), pair), 4));
+    bytes[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(second, 4), nibble),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), pair), 4));
+}
+
+/* Half n of a Q6_K super-block as 16-bit integers (see q6_k_half_bytes): group
+ * c's values 0..15 in w[2 c], 16..31 in w[2 c + 1], each q - 32 times its per-16
+ * scale (|scale (q - 32)| <= 4096). */
+static inline __attribute__((always_inline)) void q6_k_half_words(const uint8_t *block, int n, __m256i w[8]) {
+    __m256i bytes[4];
+    q6_k_half_bytes(block, n, bytes);
+    const __m256i bias = _mm256_set1_epi8(32);
     /* the half's eight scales as 16-bit integers, in both 128-bit lanes */
     const __m256i scales =
         _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * n))));
@@ -499,6 +545,107 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
     }
     for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
+
+#ifdef BYTE_PRODUCTS
+/* direct_rows for Q4_K, x in bytes: per super-block its scales and mins (a, b)
+ * once, each row's eight group scales a * d and offsets b . (d sum q); then each
+ * pair of groups' 32 bytes of nibbles, split once, meets every row: the group's
+ * 32 weight integers u (0..15) against x's bytes (maddubs: pairs of products,
+ * |sum| <= 2 * 15 * 127, exact; madd into 32 bits), one FMA. */
+static inline __attribute__((always_inline)) void q4_k_byte_rows(int R, const uint8_t *row, int64_t groups,
+                                                                const RoundedGroups *x, float *out, int64_t os) {
+    const __m256i low_nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 8) {
+        const uint8_t *block = row + (g / 8) * 144;
+        __m256 a, b;
+        q4_k_scale_vectors(block, &a, &b);
+        float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = r * groups + g;
+            _mm256_store_ps(scale[r], _mm256_mul_ps(a, _mm256_loadu_ps(x->d + i)));
+            even[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(x->scaled_sum + i), even[r]);
+        }
+        for (int j = 0; j < 8; j += 2) {
+            const __m256i pair = _mm256_loadu_si256((const __m256i *)(block + 16 + 16 * j));
+            const __m256i u[2] = {_mm256_and_si256(pair, low_nibble),
+                                  _mm256_and_si256(_mm256_srli_epi16(pair, 4), low_nibble)};
+            for (int r = 0; r < R; ++r) {
+                const int8_t *q = x->q8 + (r * groups + g + j) * GROUP;
+                const __m256i first = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(u[0], _mm256_loadu_si256((const __m256i *)q)), ones);
+                const __m256i second = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(u[1], _mm256_loadu_si256((const __m256i *)(q + GROUP))), ones);
+                even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_broadcast_ss(&scale[r][j]), even[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), _mm256_broadcast_ss(&scale[r][j + 1]), odd[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(even[r], odd[r]));
+}
+
+/* direct_rows for Q6_K, x in bytes. A group's value is a * d * sum over its
+ * halves h of s_h * sum (u - 32) q, u the weights' 6-bit integers (0..63), s_h
+ * their per-16 scales, a the super-block's scale: the products u . q as bytes
+ * (maddubs: |pair| <= 2 * 63 * 127), madd'ed with the halves' scales; the bias
+ * -32 * sum_h s_h * (sum of q over half h) from x's half sums, eight groups in
+ * one madd per super-block. */
+static inline __attribute__((always_inline)) void q6_k_byte_rows(int R, const uint8_t *row, int64_t groups,
+                                                                const RoundedGroups *x, float *out, int64_t os) {
+    __m256 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 8) {
+        const uint8_t *block = row + (g / 8) * 210;
+        const __m256 a = _mm256_set1_ps(f16_at(block + 208)), bias = _mm256_set1_ps(-32.0f);
+        const __m256i all_scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 192)));
+        float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = r * groups + g;
+            const __m256 scales = _mm256_mul_ps(a, _mm256_loadu_ps(x->d + i));
+            _mm256_store_ps(scale[r], scales);
+            const __m256i halves = _mm256_madd_epi16(all_scales, _mm256_loadu_si256((const __m256i *)(x->half_q + 2 * i)));
+            even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves), _mm256_mul_ps(bias, scales), even[r]);
+        }
+        for (int n = 0; n < 2; ++n) {
+            __m256i bytes[4];
+            q6_k_half_bytes(block, n, bytes);
+            /* the half's eight scales as 16-bit integers, in both 128-bit lanes */
+            const __m256i half_scales = _mm256_broadcastsi128_si256(
+                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * n))));
+            for (int c = 0; c < 4; ++c) {
+                /* values 0..15 (the low 128-bit lane of the products) take scale 2 c, 16..31 scale 2 c + 1 */
+                const __m256i pick = _mm256_setr_m128i(_mm_set1_epi16((short)((4 * c + 1) << 8 | 4 * c)),
+                                                       _mm_set1_epi16((short)((4 * c + 3) << 8 | (4 * c + 2))));
+                const __m256i group_scales = _mm256_shuffle_epi8(half_scales, pick);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *q = x->q8 + (r * groups + g + 4 * n + c) * GROUP;
+                    const __m256i sums = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(bytes[c], _mm256_loadu_si256((const __m256i *)q)), group_scales);
+                    __m256 *acc = (c & 1) ? odd : even;
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(&scale[r][4 * n + c]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(even[r], odd[r]));
+}
+
+/* One weight row against a chunk of ``rows`` rows of x in bytes (type Q4_K or Q6_K). */
+static inline __attribute__((always_inline)) void byte_row(int type, const uint8_t *row, int64_t groups,
+                                                          const RoundedGroups *x, int64_t rows, float *out,
+                                                          int64_t os) {
+#define BYTE_ROWS(R)                                                                          \
+    (type == TYPE_Q4_K ? q4_k_byte_rows(R, row, groups, x, out, os) : q6_k_byte_rows(R, row, groups, x, out, os))
+    switch (rows) {
+    case 1: BYTE_ROWS(1); break;
+    case 2: BYTE_ROWS(2); break;
+    case 3: BYTE_ROWS(3); break;
+    default: BYTE_ROWS(4); break;
+    }
+#undef BYTE_ROWS
+}
+#endif
 
 #ifdef QUANT_AVX512
 #include "quant_direct_avx512.h"
@@ -566,8 +713,32 @@ static int64_t tile_rows(int64_t k) {
 static inline RoundedGroups chunk_of(const RoundedGroups *rounded, int64_t groups, int64_t j) {
     const int64_t first = j * DIRECT_MAX_ROWS * groups;
     const RoundedGroups chunk = {rounded->q + first * GROUP, rounded->d + first, rounded->scaled_sum + first,
-                                 rounded->half_sums ? rounded->half_sums + 2 * first : NULL};
+                                 rounded->half_sums ? rounded->half_sums + 2 * first : NULL,
+                                 rounded->q8 ? rounded->q8 + first * GROUP : NULL,
+                                 rounded->half_q ? rounded->half_q + 2 * first : NULL};
     return chunk;
+}
+#endif
+
+#ifdef BYTE_PRODUCTS
+/* products_of_groups' passes for a type whose x is in bytes, each row's kernel
+ * inlined (through direct_row's switches the products read 25% fewer bytes a second). */
+static inline __attribute__((always_inline)) void byte_products(int type, const uint8_t *weight, int64_t stride,
+                                                               int64_t n, int64_t groups,
+                                                               const RoundedGroups *rounded, int64_t m,
+                                                               int64_t pass, float *out, int64_t out_stride) {
+    const int64_t num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS, num_passes = (n + pass - 1) / pass;
+    #pragma omp parallel for schedule(static) if (m * n * groups * GROUP >= PARALLEL_MIN_MACS)
+    for (int64_t p = 0; p < num_passes; ++p) {
+        const int64_t first = p * pass, end = first + pass < n ? first + pass : n;
+        for (int64_t j = 0; j < num_chunks; ++j) {
+            const RoundedGroups chunk = chunk_of(rounded, groups, j);
+            const int64_t rows = m - j * DIRECT_MAX_ROWS < DIRECT_MAX_ROWS ? m - j * DIRECT_MAX_ROWS : DIRECT_MAX_ROWS;
+            float *chunk_out = out + j * DIRECT_MAX_ROWS * out_stride;
+            for (int64_t c = first; c < end; ++c)
+                byte_row(type, weight + c * stride, groups, &chunk, rows, chunk_out + c, out_stride);
+        }
+    }
 }
 #endif
 
@@ -581,11 +752,21 @@ static inline RoundedGroups chunk_of(const RoundedGroups *rounded, int64_t group
 static int products_of_groups(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                               const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
 #if DIRECT_MAX_ROWS
-    const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
+    const RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
     const int64_t pass = m <= DIRECT_CHUNKED_MAX_ROWS ? 1 : WEIGHT_ROWS_PER_PASS;
     const int64_t num_passes = (n + pass - 1) / pass;
+#ifdef BYTE_PRODUCTS
+    if (byte_activations(type)) {
+        if (type == TYPE_Q4_K)
+            byte_products(TYPE_Q4_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
+        else
+            byte_products(TYPE_Q6_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
+        free(rounded.q);
+        return 0;
+    }
+#endif
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t p = 0; p < num_passes; ++p) {
         const int64_t first = p * pass, end = first + pass < n ? first + pass : n;
@@ -631,7 +812,7 @@ static int products_rows_apart(int type, const uint8_t *weight, int64_t stride, 
 /* Many rows with AVX-512: integer tiles (quant_tiles_avx512.h). */
 static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
-    const RoundedGroups rounded = round_rows(x, m, x_stride, k, type == TYPE_Q2_K);
+    const RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_tiles = (n + INT_TILE_ROWS - 1) / INT_TILE_ROWS;
     int failed = 0;
@@ -655,7 +836,7 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
     float *rounded = malloc((size_t)(m * k) * sizeof(float));
     if (rounded == NULL) return -2;
-    rounded_rows(x, m, x_stride, k, rounded);
+    rounded_rows(type, x, m, x_stride, k, rounded);
     const int64_t tn = tile_rows(k), num_tiles = (n + tn - 1) / tn;
     int failed = 0;
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
