@@ -559,14 +559,9 @@ static inline __attribute__((always_inline)) void q4_k_byte_rows(int R, const ui
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 144;
-        __m256 a, b;
-        q4_k_scale_vectors(block, &a, &b);
+        const RunScales scales = run_scales(TYPE_Q4_K, row, g, 8);
         float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
-        for (int r = 0; r < R; ++r) {
-            const int64_t i = r * groups + g;
-            _mm256_store_ps(scale[r], _mm256_mul_ps(a, _mm256_loadu_ps(x->d + i)));
-            even[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(x->scaled_sum + i), even[r]);
-        }
+        for (int r = 0; r < R; ++r) run_row_scales(TYPE_Q4_K, x, r * groups + g, 8, &scales, scale[r], &even[r]);
         for (int j = 0; j < 8; j += 2) {
             const __m256i pair = _mm256_loadu_si256((const __m256i *)(block + 16 + 16 * j));
             const __m256i u[2] = {_mm256_and_si256(pair, low_nibble),
