@@ -5,8 +5,9 @@ Q6_K, IQ4_NL, IQ4_XS) and x
 rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
 rounds its activations to int8; these steps are 256 times finer;
 ``round_activations`` shows the values), or, for the types of
-``quantized.BYTE_ACTIVATION_TYPES`` (Q4_K), to int8 steps of max|x| / 127, which
-the AVX2 build multiplies as bytes. A decode step's few rows (up to 4,
+``quantized.BYTE_ACTIVATION_TYPES`` (Q4_K, Q6_K), per 256 values to int8 steps of
+max|x| / 127 (llama.cpp's Q8_K), which the AVX2 build multiplies as bytes, in
+the decode path and in byte tiles for many rows. A decode step's few rows (up to 4,
 or up to ``direct_max_rows``: 12 while M * K <= 10240 with AVX-512, 16 of any
 length with AVX2 alone) multiply the weight's integers with x's in registers, four rows at a time
 (about half the instructions of decoding the weights to float32); more rows get a few weight rows at a time decoded to float32 and multiplied

@@ -14,9 +14,9 @@ copy, so a Q4 model takes about its file size in memory. The products:
 
 Every path first rounds x per group of 32 values to int16 steps of
 max|x| / 32767 (``round_activations``; llama.cpp rounds to int8, 256 times
-coarser), or, for ``BYTE_ACTIVATION_TYPES``, to int8 steps of max|x| / 127 as
-llama.cpp does (the AVX2 build multiplies those as bytes, 1.6x the weights
-read per second), so all of them compute one product, up to the order of
+coarser), or, for ``BYTE_ACTIVATION_TYPES``, per 256 values to int8 steps of
+max|x| / 127 as llama.cpp does (the AVX2 build multiplies those as bytes, 1.6x
+the weights read per second), so all of them compute one product, up to the order of
 float32 sums, whatever the batch; against dequantize-at-load (``quantization
 none``, the exact float32 model) that rounding is the difference, ~2e-5 of a
 product with int16 steps, ~5e-3 with int8's:
@@ -167,12 +167,18 @@ def activation_steps(type_id: int) -> float:
     return 127.0 if type_id in BYTE_ACTIVATION_TYPES else 32767.0
 
 
+def rounding_span(type_id: int) -> int:
+    """Values of x that share one rounding step: 256 (a super-block) for the byte types, else 32."""
+    return 256 if type_id in BYTE_ACTIVATION_TYPES else 32
+
+
 def round_activations(x: torch.Tensor, type_id: int = GGMLType.Q8_0.value) -> torch.Tensor:
     """float32 ``x [..., K]`` with each group of 32 values rounded to int16 steps of
-    d = max|x| / 32767, or int8 steps of max|x| / 127 for ``BYTE_ACTIVATION_TYPES``
-    (to the nearest integer, ties to even): the values every product on
-    ``type_id``'s weights multiplies, as the C kernel rounds them."""
-    groups = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    d = max|x| / 32767, or, for ``BYTE_ACTIVATION_TYPES``, each 256 values to int8
+    steps of max|x| / 127 (to the nearest integer, ties to even): the values every
+    product on ``type_id``'s weights multiplies, as the C kernel rounds them."""
+    span = rounding_span(type_id)
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // span, span)
     d = groups.abs().amax(dim=-1, keepdim=True) / activation_steps(type_id)
     inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(groups * inverse) * d).reshape(x.shape)

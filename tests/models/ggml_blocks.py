@@ -252,20 +252,21 @@ def decodes(kind: str) -> bool:
     return kind in _DECODERS
 
 
-def round_activations(x: np.ndarray, steps: int = 32767) -> np.ndarray:
-    """float32 [rows, cols] rounded as quantized products see it: each group of 32
-    values to int16 steps (``steps`` 32767), the way ggml's AVX2 quantize_row_q8_0
-    rounds to int8 but with 32767 for 127 (d = amax / 32767, id = 1 / d or 0,
-    q = x * id rounded to nearest, ties to even), or to int8 steps as ggml does
-    (``steps`` 127), returned as q * d, every step in float32."""
+def round_activations(x: np.ndarray, steps: int = 32767, span: int = QK) -> np.ndarray:
+    """float32 [rows, cols] rounded as quantized products see it: each ``span``
+    values (a group of 32) to int16 steps (``steps`` 32767), the way ggml's AVX2
+    quantize_row_q8_0 rounds to int8 but with 32767 for 127 (d = amax / 32767,
+    id = 1 / d or 0, q = x * id rounded to nearest, ties to even), or to int8
+    steps as ggml does (``steps`` 127; ``span`` 256 as its Q8_K), returned as
+    q * d, every step in float32."""
     out = np.empty_like(x, dtype=np.float32)
     for r in range(x.shape[0]):
-        for g in range(0, x.shape[1], QK):
-            group = x[r, g:g + QK].astype(np.float32)
+        for g in range(0, x.shape[1], span):
+            group = x[r, g:g + span].astype(np.float32)
             amax = max(abs(float(v)) for v in group)
             d = np.float32(amax) / np.float32(steps)
             inverse = np.float32(1) / d if d != 0 else np.float32(0)
             q = np.rint(group * inverse)
             assert np.all(np.abs(q) <= steps)
-            out[r, g:g + QK] = q.astype(np.float32) * d
+            out[r, g:g + span] = q.astype(np.float32) * d
     return out

@@ -55,13 +55,15 @@ def random_matrix(kind, rows, cols, seed=0):
     return weight, torch.from_numpy(ggml_blocks.dequantize(kind, raw, (rows, cols)))
 
 
-# Types whose products round x to int8 steps (max|x| / 127), as llama.cpp's do; int16's elsewhere.
+# Types whose products round x to int8 steps (max|x| / 127 per 256 values), as llama.cpp's do; int16's elsewhere.
 BYTE_KINDS = {"Q4_K", "Q6_K"}
 
 
 def rounded(x, kind="Q8_0"):
     """x as every product on ``kind``'s weights multiplies it, by the independent reference."""
-    return torch.from_numpy(ggml_blocks.round_activations(x.numpy(), 127 if kind in BYTE_KINDS else 32767))
+    if kind in BYTE_KINDS:  # int8 steps, one per 256 values
+        return torch.from_numpy(ggml_blocks.round_activations(x.numpy(), 127, 256))
+    return torch.from_numpy(ggml_blocks.round_activations(x.numpy(), 32767))
 
 
 def activations_with_ties():
@@ -104,6 +106,27 @@ def test_product_equals_dequantize_then_matmul(kind, path):
         torch.testing.assert_close(got.double(), expected, atol=2e-6 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("path", ["as-built", "avx2"])
+@pytest.mark.parametrize("kind", sorted(BYTE_KINDS))
+def test_byte_tiles_across_panels_steps_and_row_blocks(kind, path):
+    """The AVX2 build's byte tiles (quant_byte_tiles_avx2.h) decode 64 weight rows
+    (a panel) 4 super-blocks (a step) at a time and pass x 16 rows at a time: 70
+    rows make a second, ragged panel, 1,536 values a second, shorter step, 37 rows
+    of x a ragged third row block. Every row of x equals the reference product,
+    and its value alone in a product of that size (the tiles compute rows apart)."""
+    kernel = kernel_for(path)
+    weight, reference = random_matrix(kind, rows=70, cols=1536, seed=11)
+    x = torch.randn(37, 1536, generator=torch.Generator().manual_seed(11)) * 3
+    x[5, :256] = 0.0  # a super-block of zeros: step 0
+    x[6, 700] = 50.0  # one value that sets its super-block's step alone
+    got = quantized.matmul(x, weight, kernel)
+    expected = rounded(x, kind).double() @ reference.double().T
+    torch.testing.assert_close(got.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
+    first = (kernel.direct_max_rows if kernel is not None else 4) + 1
+    for start in (0, 17, 37 - first):
+        assert torch.equal(quantized.matmul(x[start:start + first], weight, kernel), got[start:start + first]), start
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", [kind for kind in KINDS if ggml_blocks.BLOCK_VALUES[kind] == 32])
 def test_rows_whose_groups_end_in_a_short_run(kind, path):
@@ -126,13 +149,16 @@ def test_activations_round_as_ggml_rounds_them(path):
     assert torch.equal(quantized.round_activations(x), expected)  # the PyTorch path's own rounding
     assert torch.equal(expected[2, :8], torch.tensor([32767.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 4.0]))
     assert not expected[1, 32:64].any()
-    for kind in BYTE_KINDS:  # int8 steps: d = max|x| / 127
+    wide = torch.cat([x, x.flip(1)], dim=1)  # 256 values a row: one super-block
+    for kind in BYTE_KINDS:  # int8 steps: d = max|x| / 127 over each 256 values
         type_id = GGMLType[kind].value
-        as_bytes = rounded(x, kind)
-        assert torch.equal(kernel_for(path).round_activations(x, type_id), as_bytes)
-        assert torch.equal(quantized.round_activations(x, type_id), as_bytes)
+        as_bytes = rounded(wide, kind)
+        assert torch.equal(kernel_for(path).round_activations(wide, type_id), as_bytes)
+        assert torch.equal(quantized.round_activations(wide, type_id), as_bytes)
         assert torch.equal(as_bytes[2, :8], torch.tensor([32767.0, 0.0, 0.0, 0.0, -0.0, -0.0, -0.0, 0.0]))
-        assert not torch.equal(as_bytes, expected)
+        # row 2's random values share the step of its 32767: all round to 0 (per 32 they would not)
+        assert not as_bytes[2, 96:128].any() and rounded(x, "Q8_0")[2, 96:128].all()
+        assert not torch.equal(as_bytes[:, :128], rounded(x, "Q8_0"))
 
 
 @pytest.mark.parametrize("path", PATHS)

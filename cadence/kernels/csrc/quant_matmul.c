@@ -20,6 +20,9 @@
  * With AVX2 and FMA in -march the tile is k-major panels of 16 rows and the
  * register tiles are 6 rows of x by 16 weight rows (broadcast x, no
  * horizontal sums); elsewhere plain C dot products over row-major tiles.
+ * The AVX2 build's byte types (Q4_K, Q6_K: x in int8 steps) take byte tiles
+ * instead, the weights decoded to bytes and multiplied by maddubs
+ * (quant_byte_tiles_avx2.h; 1.4-1.6x the float32 tiles' products a second).
  * With AVX512F and AVX512BW in -march both paths stay in integers, 32
  * products per instruction (VNNI's vpdpwssd where present): the decode path
  * in quant_direct_avx512.h, the tiles (decoded to int16, not float32) in
@@ -258,10 +261,13 @@ static void multiply_tile(const float *x, int64_t m, int64_t xs, const float *ti
  * d = max|x| / 32767: q = x / d to the nearest integer, ties to even (as
  * llama.cpp rounds its activations to int8, but 256 times finer: a value
  * moves by at most 1/65534 of its group's largest). For the types of
- * byte_activations the steps are int8's, d = max|x| / 127, as llama.cpp's:
+ * byte_activations the steps are int8's, d = max|x| / 127, one d per 256
+ * values (a super-block of the weights), as llama.cpp's Q8_K activations:
  * their AVX2 products then multiply bytes (maddubs), 1.6x the weights read per
  * second of the int16 products on an AVX2-only EPYC (BENCHMARKS.md,
- * avx2-byte-products-v1). Every build and path rounds a type alike. The
+ * avx2-byte-products-v1), and the byte tiles sum a super-block's eight groups
+ * in integers before one conversion to float. Every build and path rounds a
+ * type alike. The
  * decode path multiplies these integers with the weight's own; the tile path
  * the rounded values q * d as float32. Both compute one product, up to the
  * order of float32 sums, whatever the number of rows. */
@@ -272,40 +278,51 @@ static inline int byte_activations(int type) { return type == TYPE_Q4_K || type 
 /* The largest integer of x's rounding for ``type``: 127 or 32767. */
 static inline float activation_steps(int type) { return byte_activations(type) ? 127.0f : 32767.0f; }
 
-/* One group of x: its 32 integers q (|q| <= steps), its step d (returned) and d * sum(q). */
-static float round_group(const float *x, float steps, int16_t *q, float *scaled_sum) {
+/* Values of x that share one step d: a super-block's 256 for the byte types (as
+ * llama.cpp's Q8_K activations: the byte tiles then sum a super-block's eight
+ * groups in integers), a group's 32 for the others. */
+static inline int64_t rounding_span(int type) { return byte_activations(type) ? 256 : GROUP; }
+
+/* The step d = max|x| / steps of ``span`` values of x. */
+static float rounding_step(const float *x, int64_t span, float steps) {
     float amax = 0.0f;
-    for (int i = 0; i < GROUP; ++i) {
+    for (int64_t i = 0; i < span; ++i) {
         const float v = fabsf(x[i]);
         amax = v > amax ? v : amax;
     }
-    const float d = amax / steps, id = d != 0.0f ? 1.0f / d : 0.0f;
+    return amax / steps;
+}
+
+/* One group of x rounded to steps of d: its 32 integers q, and d * sum(q) (returned). */
+static float round_group(const float *x, float d, int16_t *q) {
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int i = 0; i < GROUP; ++i) {
         const int value = (int)rintf(x[i] * id);
         q[i] = (int16_t)value;
         sum += value;
     }
-    *scaled_sum = d * (float)sum;
-    return d;
+    return d * (float)sum;
 }
 
 /* The rounded values q * d of x [m, k] (row stride xs) into out [m, k], for ``type``. */
 static void rounded_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k, float *out) {
     const float steps = activation_steps(type);
+    const int64_t span = rounding_span(type);
     #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
     for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < k / GROUP; ++g) {
             int16_t q[GROUP];
-            float scaled_sum;
-            const float d = round_group(x + r * xs + g * GROUP, steps, q, &scaled_sum);
+            const float *span_x = x + r * xs + (g * GROUP / span) * span;
+            const float d = rounding_step(span_x, span, steps);
+            round_group(x + r * xs + g * GROUP, d, q);
             for (int i = 0; i < GROUP; ++i) out[r * k + g * GROUP + i] = (float)q[i] * d;
         }
 }
 
 /* Exported for the tests: rounded_rows of x [m, k] (contiguous) for ``type``. */
 int quant_round_activations(int type, const float *x, int64_t m, int64_t k, float *out) {
-    if (k % GROUP) return -1;
+    if (k % rounding_span(type)) return -1;
     rounded_rows(type, x, m, k, k, out);
     return 0;
 }
@@ -342,6 +359,7 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
     const int with_bytes = 0;
 #endif
     const float steps = activation_steps(type);
+    const int64_t span = rounding_span(type);
     RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t bytes = (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float) +
                                           (with_bytes ? GROUP + 2 * sizeof(int16_t) : 0));
@@ -355,11 +373,14 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
     rounded.q8 = with_bytes ? (int8_t *)(rounded.scaled_sum + 3 * count) : NULL;
     rounded.half_q = with_bytes ? (int16_t *)(rounded.q8 + count * GROUP) : NULL;
     #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
-    for (int64_t r = 0; r < m; ++r)
+    for (int64_t r = 0; r < m; ++r) {
+        float step = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t i = r * groups + g;
             const int16_t *q = rounded.q + i * GROUP;
-            rounded.d[i] = round_group(x + r * xs + g * GROUP, steps, rounded.q + i * GROUP, rounded.scaled_sum + i);
+            if (g % (span / GROUP) == 0) step = rounding_step(x + r * xs + g * GROUP, span, steps);
+            rounded.d[i] = step;
+            rounded.scaled_sum[i] = round_group(x + r * xs + g * GROUP, step, rounded.q + i * GROUP);
             if (with_bytes) {
                 int16_t halves[2] = {0, 0};
                 for (int l = 0; l < GROUP; ++l) {
@@ -374,6 +395,7 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
             rounded.half_sums[2 * i] = rounded.d[i] * (float)first;
             rounded.half_sums[2 * i + 1] = rounded.d[i] * (float)second;
         }
+    }
     return rounded;
 }
 
@@ -642,6 +664,10 @@ static inline __attribute__((always_inline)) void byte_row(int type, const uint8
 }
 #endif
 
+#ifdef BYTE_PRODUCTS
+#include "quant_byte_tiles_avx2.h"
+#endif
+
 #ifdef QUANT_AVX512
 #include "quant_direct_avx512.h"
 #include "quant_tiles_avx512.h"
@@ -827,8 +853,36 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
     return failed ? -2 : 0;
 }
 #else
+#ifdef BYTE_PRODUCTS
+/* Many rows, AVX2, a type whose x is in bytes: byte tiles (quant_byte_tiles_avx2.h). */
+static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+    const RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    if (rounded.q == NULL) return -2;
+    const int64_t groups = k / GROUP, num_panels = (n + BYTE_PANEL_ROWS - 1) / BYTE_PANEL_ROWS;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t t = 0; t < num_panels; ++t) {
+        void *buffer = thread_tile(byte_panel_bytes() / (int64_t)sizeof(float));
+        if (buffer == NULL) {
+            failed = 1;
+            continue;
+        }
+        const int64_t first = t * BYTE_PANEL_ROWS, rows = n - first < BYTE_PANEL_ROWS ? n - first : BYTE_PANEL_ROWS;
+        multiply_byte_panel(type, weight + first * stride, stride, rows, groups, &rounded, m, buffer, out + first,
+                            out_stride);
+    }
+    free(rounded.q);
+    return failed ? -2 : 0;
+}
+#endif
+
 static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+#ifdef BYTE_PRODUCTS
+    if (byte_activations(type))
+        return products_of_byte_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
+#endif
     float *rounded = malloc((size_t)(m * k) * sizeof(float));
     if (rounded == NULL) return -2;
     rounded_rows(type, x, m, x_stride, k, rounded);
