@@ -61,16 +61,45 @@ typedef struct {
 } ByteAccumulators;
 
 /* Super-block s of one weight row: its groups' w as 32 bytes each, the integer
- * scale and min of each run of 16 values, D, -dmin and the sums' bases. */
+ * scale and min of each run of 16 values (16-bit lanes 0..15), D, -dmin and the
+ * sums' bases. */
 typedef struct {
     __m256i w[8];
-    int16_t scales[16], mins[16];
+    __m256i scales, mins;
     float d, dmin;
     /* -128 sum_h s_h (sum of w over the values of run h that lane j of the sums
      * takes: 4 j .. 4 j + 3 of each half), so that each lane's sum is exact and
      * small before its conversion to float */
     int32_t base[4];
 } RowBlock;
+
+/* A Q4_K super-block's eight 6-bit scales (16-bit lanes 0..7) and mins (8..15),
+ * unpacked from its 12 packed bytes with 32-bit masks (as q4_k_scale_min reads them). */
+static inline __m256i q4_k_scales_and_mins(const uint8_t *block) {
+    uint32_t packed[4];
+    memcpy(packed, block + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    packed[3] = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4); /* mins 4..7 */
+    const uint32_t mins = packed[1] & low6;                                   /* mins 0..3 */
+    packed[1] = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);        /* scales 4..7 */
+    packed[2] = mins;
+    packed[0] &= low6; /* scales 0..3 */
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)packed));
+}
+
+/* A shuffle_epi8 pattern: word ``low`` of the low 128-bit lane in all its words,
+ * word ``high`` of the high lane in all of its. */
+static inline __m256i word_picks(int low, int high) {
+    return _mm256_setr_m128i(_mm_set1_epi16((short)((2 * low + 1) << 8 | 2 * low)),
+                             _mm_set1_epi16((short)((2 * high + 1) << 8 | 2 * high)));
+}
+
+/* Runs 2 g (low 128-bit lane) and 2 g + 1 (high lane) of 16 run values, each
+ * in all its lane's words. */
+static inline __m256i group_runs(__m256i runs, int g) {
+    const __m256i half = _mm256_permute4x64_epi64(runs, g < 4 ? 0x44 : 0xee); /* runs 0..7 or 8..15, twice */
+    return _mm256_shuffle_epi8(half, word_picks((2 * g) % 8, (2 * g + 1) % 8));
+}
 
 /* The bases of a row's super-block, from its w and scales. */
 static inline void row_block_bases(RowBlock *row) {
@@ -79,12 +108,16 @@ static inline void row_block_bases(RowBlock *row) {
     for (int g = 0; g < 8; ++g) {
         /* pairs of w (16-bit lane i: values 2 i, 2 i + 1), times the halves' scales
          * and summed in fours: 32-bit lane j values 4 j .. 4 j + 3 of half 0, j + 4 of half 1 */
-        const __m256i scales = _mm256_setr_m128i(_mm_set1_epi16(row->scales[2 * g]), _mm_set1_epi16(row->scales[2 * g + 1]));
-        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, row->w[g]), scales));
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, row->w[g]), group_runs(row->scales, g)));
     }
     int32_t lanes[8];
     _mm256_storeu_si256((__m256i *)lanes, sums);
     for (int j = 0; j < 4; ++j) row->base[j] = -128 * (lanes[j] + lanes[j + 4]);
+}
+
+/* Eight 16-bit values, each twice: a group's value for both its runs. */
+static inline __m256i twice_each(__m128i values) {
+    return _mm256_setr_m128i(_mm_unpacklo_epi16(values, values), _mm_unpackhi_epi16(values, values));
 }
 
 static inline void row_block(int type, const uint8_t *row, int64_t s, RowBlock *out) {
@@ -96,19 +129,17 @@ static inline void row_block(int type, const uint8_t *row, int64_t s, RowBlock *
             out->w[j] = _mm256_and_si256(pair, low_nibble);
             out->w[j + 1] = _mm256_and_si256(_mm256_srli_epi16(pair, 4), low_nibble);
         }
-        for (int j = 0; j < 8; ++j) {
-            int scale, min;
-            q4_k_scale_min(block + 4, j, &scale, &min);
-            out->scales[2 * j] = out->scales[2 * j + 1] = (int16_t)scale;
-            out->mins[2 * j] = out->mins[2 * j + 1] = (int16_t)min;
-        }
+        const __m256i scales_and_mins = q4_k_scales_and_mins(block);
+        out->scales = twice_each(_mm256_castsi256_si128(scales_and_mins));
+        out->mins = twice_each(_mm256_extracti128_si256(scales_and_mins, 1));
         out->d = f16_at(block), out->dmin = -f16_at(block + 2);
     } else { /* Q6_K: the values minus 32, as signed bytes */
         const uint8_t *block = row + s * 210;
         const __m256i bias = _mm256_set1_epi8(32);
         for (int n = 0; n < 2; ++n) q6_k_half_bytes(block, n, out->w + 4 * n);
         for (int j = 0; j < 8; ++j) out->w[j] = _mm256_sub_epi8(out->w[j], bias);
-        for (int h = 0; h < 16; ++h) out->scales[h] = ((const int8_t *)(block + 192))[h], out->mins[h] = 0;
+        out->scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 192)));
+        out->mins = _mm256_setzero_si256();
         out->d = f16_at(block + 208), out->dmin = 0.0f;
     }
     row_block_bases(out);
@@ -128,14 +159,14 @@ static void decode_byte_blocks(int type, const uint8_t *weight, int64_t stride, 
             else
                 row[c] = zero_row;
         }
-        int16_t mins[8][16] __attribute__((aligned(32)));
-        float dmin[8] __attribute__((aligned(32)));
-        for (int c = 0; c < BYTE_TILE_ROWS; ++c) {
-            for (int t = 0; t < 8; ++t) mins[t][2 * c] = row[c].mins[2 * t], mins[t][2 * c + 1] = row[c].mins[2 * t + 1];
-            dmin[c] = row[c].dmin;
+        if (type == TYPE_Q4_K) { /* mins[t]: 32-bit word t (group t's two runs) of each row's mins */
+            __m256 words[8];
+            for (int c = 0; c < BYTE_TILE_ROWS; ++c) words[c] = _mm256_castsi256_ps(row[c].mins);
+            transpose8(words);
+            for (int t = 0; t < 8; ++t) b->mins[t] = _mm256_castps_si256(words[t]);
+            b->dmin = _mm256_setr_ps(row[0].dmin, row[1].dmin, row[2].dmin, row[3].dmin, row[4].dmin, row[5].dmin,
+                                     row[6].dmin, row[7].dmin);
         }
-        for (int t = 0; t < 8; ++t) b->mins[t] = _mm256_load_si256((const __m256i *)mins[t]);
-        b->dmin = _mm256_load_ps(dmin);
         for (int p = 0; p < BYTE_TILE_PAIRS; ++p) {
             const RowBlock *first_row = &row[2 * p], *second_row = &row[2 * p + 1];
             b->base[p] = _mm256_setr_epi32(first_row->base[0], first_row->base[1], first_row->base[2], first_row->base[3],
@@ -143,11 +174,15 @@ static void decode_byte_blocks(int type, const uint8_t *weight, int64_t stride, 
                                            second_row->base[3]);
             b->d[p] = _mm256_setr_ps(first_row->d, first_row->d, first_row->d, first_row->d, second_row->d,
                                      second_row->d, second_row->d, second_row->d);
+            /* runs 0..7 of both rows (low lane: the first's), then runs 8..15 */
+            const __m256i runs[2] = {_mm256_permute2x128_si256(first_row->scales, second_row->scales, 0x20),
+                                     _mm256_permute2x128_si256(first_row->scales, second_row->scales, 0x31)};
             for (int g = 0; g < 8; ++g)
                 for (int h = 0; h < 2; ++h) {
+                    const int run = 2 * g + h;
                     b->w[g][p][h] = _mm256_permute2x128_si256(first_row->w[g], second_row->w[g], h ? 0x31 : 0x20);
-                    b->scales[g][p][h] = _mm256_setr_m128i(_mm_set1_epi16(first_row->scales[2 * g + h]),
-                                                           _mm_set1_epi16(second_row->scales[2 * g + h]));
+                    if (type == TYPE_Q6_K || h == 0) /* Q4_K's halves share their scale */
+                        b->scales[g][p][h] = _mm256_shuffle_epi8(runs[run / 8], word_picks(run % 8, run % 8));
                 }
         }
     }

@@ -347,8 +347,24 @@ typedef struct {
     int16_t *half_q;
 } RoundedGroups;
 
-/* x [m, k] (row stride xs) rounded for ``type`` into one allocation (free ``q``),
- * or q NULL. half_sums only for Q2_K (its products read them), q8 only where
+/* The calling thread's buffer for x's rounded rows, grown as needed and kept: a
+ * fresh allocation of a prefill's megabytes is fresh pages, zeroed by the
+ * kernel, on every call. */
+static void *rounding_buffer(size_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = NULL;
+        capacity = 0;
+        if (posix_memalign(&buffer, 64, bytes)) return NULL;
+        capacity = bytes;
+    }
+    return buffer;
+}
+
+/* x [m, k] (row stride xs) rounded for ``type`` into the thread's rounding_buffer
+ * (valid until the thread's next call), or q NULL. half_sums only for Q2_K (its products read them), q8 only where
  * BYTE_PRODUCTS takes the type; NULL elsewhere. */
 static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k) {
     const int64_t groups = k / GROUP, count = m * groups;
@@ -363,10 +379,8 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
     RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t bytes = (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float) +
                                           (with_bytes ? GROUP + 2 * sizeof(int16_t) : 0));
-    if (posix_memalign((void **)&rounded.q, 64, bytes)) {
-        rounded.q = NULL;
-        return rounded;
-    }
+    rounded.q = rounding_buffer(bytes);
+    if (rounded.q == NULL) return rounded;
     rounded.d = (float *)(rounded.q + count * GROUP);
     rounded.scaled_sum = rounded.d + count;
     rounded.half_sums = with_half_sums ? rounded.scaled_sum + count : NULL;
@@ -784,7 +798,6 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
             byte_products(TYPE_Q4_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
         else
             byte_products(TYPE_Q6_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
-        free(rounded.q);
         return 0;
     }
 #endif
@@ -799,7 +812,6 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
                            out + j * DIRECT_MAX_ROWS * out_stride + c, out_stride);
         }
     }
-    free(rounded.q);
     return 0;
 #else
     (void)type, (void)weight, (void)stride, (void)n, (void)k, (void)x, (void)m, (void)x_stride, (void)out,
@@ -849,7 +861,6 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
         decode_int_tile(type, weight + first * stride, stride, rows, groups, &tile);
         multiply_int_tile(type, &tile, groups, &rounded, m, rows, out + first, out_stride);
     }
-    free(rounded.q);
     return failed ? -2 : 0;
 }
 #else
@@ -872,7 +883,6 @@ static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t strid
         multiply_byte_panel(type, weight + first * stride, stride, rows, groups, &rounded, m, buffer, out + first,
                             out_stride);
     }
-    free(rounded.q);
     return failed ? -2 : 0;
 }
 #endif
