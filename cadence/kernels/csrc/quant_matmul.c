@@ -345,14 +345,20 @@ typedef struct {
     float *d, *scaled_sum, *half_sums;
     int8_t *q8;
     int16_t *half_q;
+    void *owned; /* an allocation of its own (free it: release_rows), or NULL */
 } RoundedGroups;
 
-/* The calling thread's buffer for x's rounded rows, grown as needed and kept: a
- * fresh allocation of a prefill's megabytes is fresh pages, zeroed by the
- * kernel, on every call. */
+/* Bytes of x's rounded rows that a thread keeps between calls (rounding_buffer). */
+#define KEPT_ROUNDING_BYTES ((size_t)16 << 20)
+
+/* The calling thread's buffer for x's rounded rows, grown as needed and kept up
+ * to KEPT_ROUNDING_BYTES: a fresh allocation of a batch's megabyte is fresh
+ * pages, zeroed by the kernel, on every call (the 1B-class file's ffn_down by
+ * 64 rows took 1.25x as long); NULL past that bound (or without memory). */
 static void *rounding_buffer(size_t bytes) {
     static __thread void *buffer = NULL;
     static __thread size_t capacity = 0;
+    if (bytes > KEPT_ROUNDING_BYTES) return NULL;
     if (bytes > capacity) {
         free(buffer);
         buffer = NULL;
@@ -364,7 +370,8 @@ static void *rounding_buffer(size_t bytes) {
 }
 
 /* x [m, k] (row stride xs) rounded for ``type`` into the thread's rounding_buffer
- * (valid until the thread's next call), or q NULL. half_sums only for Q2_K (its products read them), q8 only where
+ * (valid until the thread's next call) or, past its bound, an allocation of its
+ * own (release_rows frees it); q NULL without memory. half_sums only for Q2_K (its products read them), q8 only where
  * BYTE_PRODUCTS takes the type; NULL elsewhere. */
 static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k) {
     const int64_t groups = k / GROUP, count = m * groups;
@@ -376,11 +383,17 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
 #endif
     const float steps = activation_steps(type);
     const int64_t span = rounding_span(type);
-    RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL};
+    RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t bytes = (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float) +
                                           (with_bytes ? GROUP + 2 * sizeof(int16_t) : 0));
     rounded.q = rounding_buffer(bytes);
-    if (rounded.q == NULL) return rounded;
+    if (rounded.q == NULL) { /* a prefill's rows: their own pages, returned after the call */
+        if (posix_memalign((void **)&rounded.q, 64, bytes)) {
+            rounded.q = NULL;
+            return rounded;
+        }
+        rounded.owned = rounded.q;
+    }
     rounded.d = (float *)(rounded.q + count * GROUP);
     rounded.scaled_sum = rounded.d + count;
     rounded.half_sums = with_half_sums ? rounded.scaled_sum + count : NULL;
@@ -412,6 +425,10 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
     }
     return rounded;
 }
+
+/* Frees what round_rows allocated for these rows alone (nothing if they are in
+ * the thread's buffer). */
+static void release_rows(RoundedGroups *rounded) { free(rounded->owned); }
 
 /* The scales of a run of up to eight groups g .. g + len - 1 of a weight row,
  * unpacked once for every row of x, in registers (a vector stored as floats and
@@ -750,7 +767,7 @@ static inline RoundedGroups chunk_of(const RoundedGroups *rounded, int64_t group
     const RoundedGroups chunk = {rounded->q + first * GROUP, rounded->d + first, rounded->scaled_sum + first,
                                  rounded->half_sums ? rounded->half_sums + 2 * first : NULL,
                                  rounded->q8 ? rounded->q8 + first * GROUP : NULL,
-                                 rounded->half_q ? rounded->half_q + 2 * first : NULL};
+                                 rounded->half_q ? rounded->half_q + 2 * first : NULL, NULL};
     return chunk;
 }
 #endif
@@ -787,7 +804,7 @@ static inline __attribute__((always_inline)) void byte_products(int type, const 
 static int products_of_groups(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                               const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
 #if DIRECT_MAX_ROWS
-    const RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
     const int64_t pass = m <= DIRECT_CHUNKED_MAX_ROWS ? 1 : WEIGHT_ROWS_PER_PASS;
@@ -798,6 +815,7 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
             byte_products(TYPE_Q4_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
         else
             byte_products(TYPE_Q6_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
+        release_rows(&rounded);
         return 0;
     }
 #endif
@@ -812,6 +830,7 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
                            out + j * DIRECT_MAX_ROWS * out_stride + c, out_stride);
         }
     }
+    release_rows(&rounded);
     return 0;
 #else
     (void)type, (void)weight, (void)stride, (void)n, (void)k, (void)x, (void)m, (void)x_stride, (void)out,
@@ -845,7 +864,7 @@ static int products_rows_apart(int type, const uint8_t *weight, int64_t stride, 
 /* Many rows with AVX-512: integer tiles (quant_tiles_avx512.h). */
 static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
-    const RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_tiles = (n + INT_TILE_ROWS - 1) / INT_TILE_ROWS;
     int failed = 0;
@@ -861,6 +880,7 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
         decode_int_tile(type, weight + first * stride, stride, rows, groups, &tile);
         multiply_int_tile(type, &tile, groups, &rounded, m, rows, out + first, out_stride);
     }
+    release_rows(&rounded);
     return failed ? -2 : 0;
 }
 #else
@@ -868,7 +888,7 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
 /* Many rows, AVX2, a type whose x is in bytes: byte tiles (quant_byte_tiles_avx2.h). */
 static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                                   const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
-    const RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_panels = (n + BYTE_PANEL_ROWS - 1) / BYTE_PANEL_ROWS;
     int failed = 0;
@@ -883,6 +903,7 @@ static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t strid
         multiply_byte_panel(type, weight + first * stride, stride, rows, groups, &rounded, m, buffer, out + first,
                             out_stride);
     }
+    release_rows(&rounded);
     return failed ? -2 : 0;
 }
 #endif
