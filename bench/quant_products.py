@@ -15,7 +15,8 @@ with ``--threads`` threads, after a quiet moment:
                      turn so no weight is in a cache: GB/s read, % of the
                      bandwidth
     64 rows          the same roles by 64 rows (the batch and prefill
-                     path): GOP/s, % of the integer peak
+                     path; ``--batch-rows 64,512`` for more sizes): GOP/s,
+                     % of the integer peak
     decode step      single-stream decode through the engine (one-call
                      decoder, every default): tokens/s x the weight bytes a
                      step reads = GB/s, % of the bandwidth
@@ -126,7 +127,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="SECONDS")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--batch-rows", default=str(BATCH_ROWS), metavar="ROWS",
+                        help=f"comma list of row counts for the many-row products (default {BATCH_ROWS})")
     args = parser.parse_args()
+    batch_rows = [int(rows) for rows in args.batch_rows.split(",")]
     if not Path(args.model).exists():
         print(f"{args.model}: no such file (bench/make_1b_gguf.py writes the 1B-class one)", file=sys.stderr)
         return 1
@@ -145,18 +149,22 @@ def main() -> int:
     report |= {"read bandwidth GB/s": round(bandwidth, 1), "integer peak GOP/s": round(peak, 1)}
     print(f"{report['model']}, {args.threads} threads, {kernel.isa}: read bandwidth {bandwidth:.1f} GB/s, "
           f"integer peak {peak:.0f} GOP/s (others busy {others:.2f} cores)")
-    print(f"| role | type | one row GB/s | % of bandwidth | {BATCH_ROWS} rows GOP/s | % of peak |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| role | type | one row GB/s | % of bandwidth | "
+          + " | ".join(f"{rows} rows GOP/s | % of peak" for rows in batch_rows) + " |")
+    print("|---|---|---:|---:|" + "---:|---:|" * len(batch_rows))
     roles = {}
     for role, tensors in weight_roles(args.model).items():
         seconds, num_bytes, _ = time_products(kernel, tensors, 1, rounds=5)
         one_row = 5 * num_bytes / seconds / 1e9
-        seconds, _, macs = time_products(kernel, tensors[:4], BATCH_ROWS, rounds=1)
-        batch = 2 * macs / seconds / 1e9
         kinds = "/".join(sorted({tensor.tensor_type.name for tensor in tensors}))
-        roles[role] = {"type": kinds, "one row GB/s": round(one_row, 1), f"{BATCH_ROWS} rows GOP/s": round(batch, 1)}
-        print(f"| {role} | {kinds} | {one_row:.1f} | {100 * one_row / bandwidth:.0f}% | {batch:.0f} | "
-              f"{100 * batch / peak:.0f}% |")
+        roles[role] = {"type": kinds, "one row GB/s": round(one_row, 1)}
+        cells = []
+        for rows in batch_rows:
+            seconds, _, macs = time_products(kernel, tensors[:4], rows, rounds=1)
+            batch = 2 * macs / seconds / 1e9
+            roles[role][f"{rows} rows GOP/s"] = round(batch, 1)
+            cells.append(f"{batch:.0f} | {100 * batch / peak:.0f}%")
+        print(f"| {role} | {kinds} | {one_row:.1f} | {100 * one_row / bandwidth:.0f}% | {' | '.join(cells)} |")
     report["roles"] = roles
     tokens_per_s = decode_tokens_per_s(args.model, args.threads)
     read = tokens_per_s * step_bytes(args.model) / 1e9

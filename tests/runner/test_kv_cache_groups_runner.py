@@ -124,9 +124,12 @@ def test_the_host_tier_and_swap_move_each_groups_blocks(model, mode):
     """A cache that holds the longest request alone (60 blocks: its full group
     needs 28, each window group 10): requests are preempted (swapped out and back,
     or recomputed), and the tier brings back prefixes the cache dropped; the tokens
-    equal one full group's without a tier."""
+    equal one full group's without a tier. Preemption changes which rows share a
+    step (a prompt's chunk of 24 rows may become two), so both engines run
+    batch-invariant: a row's products are then the same in any step, and only
+    the KV cache can make the tokens differ."""
     options = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4, max_model_len=256,
-                   max_num_batched_tokens=24, max_num_seqs=4)
+                   max_num_batched_tokens=24, max_num_seqs=4, batch_invariant="on")
     log = io.StringIO()
     grouped = assemble_engine(
         EngineOptions.from_kwargs(num_gpu_blocks=60, kv_cache_groups=True, kv_offload_size=0.001,
