@@ -310,14 +310,15 @@ static void rounded_rows(int type, const float *x, int64_t m, int64_t xs, int64_
     const float steps = activation_steps(type);
     const int64_t span = rounding_span(type);
     #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
-    for (int64_t r = 0; r < m; ++r)
+    for (int64_t r = 0; r < m; ++r) {
+        float d = 0.0f;
         for (int64_t g = 0; g < k / GROUP; ++g) {
             int16_t q[GROUP];
-            const float *span_x = x + r * xs + (g * GROUP / span) * span;
-            const float d = rounding_step(span_x, span, steps);
+            if (g % (span / GROUP) == 0) d = rounding_step(x + r * xs + g * GROUP, span, steps);
             round_group(x + r * xs + g * GROUP, d, q);
             for (int i = 0; i < GROUP; ++i) out[r * k + g * GROUP + i] = (float)q[i] * d;
         }
+    }
 }
 
 /* Exported for the tests: rounded_rows of x [m, k] (contiguous) for ``type``. */
