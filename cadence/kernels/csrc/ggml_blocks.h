@@ -569,6 +569,25 @@ static inline __attribute__((always_inline)) void q4_k_scale_vectors(const uint8
     *b = _mm256_mul_ps(mins_floats, _mm256_set1_ps(-f16_at(block + 2)));
 }
 
+/* A Q4_K super-block's eight 6-bit scales (16-bit lanes 0..7) and mins (8..15),
+ * unpacked from its 12 packed bytes with 32-bit masks (as q4_k_scale_min reads them). */
+static inline __m256i q4_k_scales_and_mins(const uint8_t *block) {
+    uint32_t packed[4];
+    memcpy(packed, block + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    packed[3] = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4); /* mins 4..7 */
+    const uint32_t mins = packed[1] & low6;                                   /* mins 0..3 */
+    packed[1] = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);        /* scales 4..7 */
+    packed[2] = mins;
+    packed[0] &= low6; /* scales 0..3 */
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)packed));
+}
+
+/* Eight 16-bit values, each twice: a group's value for both its runs. */
+static inline __m256i twice_each(__m128i values) {
+    return _mm256_setr_m128i(_mm_unpacklo_epi16(values, values), _mm_unpackhi_epi16(values, values));
+}
+
 /* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row (b[0] = b[1]: a group's
  * offset is taken whole, see ``run_scales`` in quant_matmul.c). */
 static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float b[2]) {

@@ -73,20 +73,6 @@ typedef struct {
     int32_t base[4];
 } RowBlock;
 
-/* A Q4_K super-block's eight 6-bit scales (16-bit lanes 0..7) and mins (8..15),
- * unpacked from its 12 packed bytes with 32-bit masks (as q4_k_scale_min reads them). */
-static inline __m256i q4_k_scales_and_mins(const uint8_t *block) {
-    uint32_t packed[4];
-    memcpy(packed, block + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    packed[3] = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4); /* mins 4..7 */
-    const uint32_t mins = packed[1] & low6;                                   /* mins 0..3 */
-    packed[1] = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);        /* scales 4..7 */
-    packed[2] = mins;
-    packed[0] &= low6; /* scales 0..3 */
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)packed));
-}
-
 /* A shuffle_epi8 pattern: word ``low`` of the low 128-bit lane in all its words,
  * word ``high`` of the high lane in all of its. */
 static inline __m256i word_picks(int low, int high) {
@@ -113,11 +99,6 @@ static inline void row_block_bases(RowBlock *row) {
     int32_t lanes[8];
     _mm256_storeu_si256((__m256i *)lanes, sums);
     for (int j = 0; j < 4; ++j) row->base[j] = -128 * (lanes[j] + lanes[j + 4]);
-}
-
-/* Eight 16-bit values, each twice: a group's value for both its runs. */
-static inline __m256i twice_each(__m128i values) {
-    return _mm256_setr_m128i(_mm_unpacklo_epi16(values, values), _mm_unpackhi_epi16(values, values));
 }
 
 static inline void row_block(int type, const uint8_t *row, int64_t s, RowBlock *out) {
@@ -249,7 +230,8 @@ static inline __m256 byte_outputs(const ByteAccumulators *acc) {
 #define BYTE_ROW_BLOCK 16
 
 /* Bytes of one thread's buffer: a panel's decoded step. */
-static inline int64_t byte_panel_bytes(void) {
+static inline int64_t byte_panel_bytes(int64_t groups) {
+    (void)groups; /* a panel holds a step of super-blocks, whatever the row's length */
     return BYTE_PANEL_TILES * BYTE_TILE_BLOCKS * (int64_t)sizeof(ByteBlock);
 }
 

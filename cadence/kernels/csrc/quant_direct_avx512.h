@@ -9,10 +9,10 @@
  * half the instructions per group of the AVX2 path, so a decode step reads
  * the weights at the memory's speed instead of the core's.
  *
- * Q4_K and Q6_K, the types of Q4_K_M files, are decoded 64 values at a time
- * with their scales unpacked once per super-block in vector registers; every
- * other type takes its 16-bit integers from ggml_blocks.h's AVX2 forms, two
- * halves joined into one register.
+ * Every type but Q4_K and Q6_K takes its 16-bit integers from ggml_blocks.h's
+ * AVX2 forms, two halves joined into one register. Q4_K and Q6_K, the types of
+ * Q4_K_M files, meet x in bytes ("in bytes" below): 64 products per maddubs,
+ * a super-block's sums kept in integers.
  *
  * The includer defines QUANT_AVX512 (AVX512F and AVX512BW in -march) and
  * includes ggml_blocks.h and the RoundedGroups of x first. */
@@ -41,90 +41,6 @@ static inline __attribute__((always_inline)) __m512i group_words(const RoundedGr
 static inline __attribute__((always_inline)) __m512 scaled_group(__m512 acc, __m512i w, const RoundedGroups *x, int64_t i, float scale) {
     const __m512i sums = dot_words(_mm512_setzero_si512(), w, group_words(x, i));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale), acc);
-}
-
-/* ---------------------------------------------------------------- Q4_K */
-
-/* out[r * os] for one Q4_K row and R rows of x: per super-block the scales once,
- * each row's group scales a_j * d (8 at once) and its mins' share b . (d sum q);
- * then 32 bytes of nibbles per pair of groups, widened once for all rows. */
-static inline __attribute__((always_inline)) void q4_k_rows_512(int R, const uint8_t *row, int64_t groups,
-                                                               const RoundedGroups *x, float *out, int64_t os) {
-    __m512 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
-    __m256 offset[DIRECT_MAX_ROWS];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offset[r] = _mm256_setzero_ps();
-    const __m512i low_nibble = _mm512_set1_epi16(15);
-    for (int64_t g = 0; g < groups; g += 8) {
-        const uint8_t *block = row + (g / 8) * 144;
-        __m256 a, b;
-        q4_k_scale_vectors(block, &a, &b);
-        float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
-        for (int r = 0; r < R; ++r) {
-            const int64_t i = r * groups + g;
-            _mm256_store_ps(scale[r], _mm256_mul_ps(a, _mm256_loadu_ps(x->d + i)));
-            offset[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(x->scaled_sum + i), offset[r]);
-        }
-        for (int j = 0; j < 8; j += 2) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 16 + 16 * j)));
-            const __m512i first = _mm512_and_si512(bytes, low_nibble), second = _mm512_srli_epi16(bytes, 4);
-            for (int r = 0; r < R; ++r) {
-                const int64_t i = r * groups + g + j;
-                even[r] = scaled_group(even[r], first, x, i, scale[r][j]);
-                odd[r] = scaled_group(odd[r], second, x, i + 1, scale[r][j + 1]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + hsum(offset[r]);
-}
-
-/* ---------------------------------------------------------------- Q6_K
- * A half super-block (128 values, groups 4n .. 4n + 3, see q6_k_group): 64 bytes
- * of low nibbles, 32 of high bit pairs, widened once; each group's values q - 32
- * times its two per-16 scales, in 16-bit integers (|scale (q - 32)| <= 4096). */
-static inline __attribute__((always_inline)) void q6_k_half_512(const uint8_t *block, int n, __m512i w[4]) {
-    const uint8_t *ql = block + 64 * n, *qh = block + 128 + 32 * n;
-    const __m512i first = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)ql));
-    const __m512i second = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32)));
-    const __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)qh));
-    const __m512i nibble = _mm512_set1_epi16(15), pair = _mm512_set1_epi16(3), bias = _mm512_set1_epi16(32);
-    const __m512i value[4] = {
-        _mm512_or_si512(_mm512_and_si512(first, nibble), _mm512_slli_epi16(_mm512_and_si512(high, pair), 4)),
-        _mm512_or_si512(_mm512_and_si512(second, nibble),
-                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2), pair), 4)),
-        _mm512_or_si512(_mm512_srli_epi16(first, 4),
-                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 4), pair), 4)),
-        _mm512_or_si512(_mm512_srli_epi16(second, 4), _mm512_slli_epi16(_mm512_srli_epi16(high, 6), 4)),
-    };
-    /* group c's scales 2c (values 0..15) and 2c + 1 (16..31), each spread over its 16 lanes */
-    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * n))));
-    for (int c = 0; c < 4; ++c) {
-        const __m512i spread = join_halves(_mm256_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)));
-        w[c] = _mm512_mullo_epi16(_mm512_sub_epi16(value[c], bias), _mm512_permutexvar_epi16(spread, scales));
-    }
-}
-
-static inline __attribute__((always_inline)) void q6_k_rows_512(int R, const uint8_t *row, int64_t groups,
-                                                               const RoundedGroups *x, float *out, int64_t os) {
-    __m512 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 8) {
-        const uint8_t *block = row + (g / 8) * 210;
-        const __m256 d = _mm256_set1_ps(f16_at(block + 208));
-        float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
-        for (int r = 0; r < R; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(d, _mm256_loadu_ps(x->d + r * groups + g)));
-        for (int n = 0; n < 2; ++n) {
-            __m512i w[4];
-            q6_k_half_512(block, n, w);
-            for (int r = 0; r < R; ++r) {
-                const int64_t i = r * groups + g + 4 * n;
-                even[r] = scaled_group(even[r], w[0], x, i, scale[r][4 * n]);
-                odd[r] = scaled_group(odd[r], w[1], x, i + 1, scale[r][4 * n + 1]);
-                even[r] = scaled_group(even[r], w[2], x, i + 2, scale[r][4 * n + 2]);
-                odd[r] = scaled_group(odd[r], w[3], x, i + 3, scale[r][4 * n + 3]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
 /* Groups j and j + 1 (j even) of the super-block at ``block`` (groups g .. g + 7 of
@@ -168,7 +84,9 @@ static inline __attribute__((always_inline)) void words_group_512(int type, int 
     }
 }
 
-static inline __attribute__((always_inline)) void words_rows_512(int type, int R, const uint8_t *row, int64_t groups,
+/* out[r * os] for one weight row and R rows of x, R <= DIRECT_MAX_ROWS (every type but
+ * the byte types, Q4_K and Q6_K: "in bytes" below). */
+static inline __attribute__((always_inline)) void direct_rows_512(int type, int R, const uint8_t *row, int64_t groups,
                                                                 const RoundedGroups *x, float *out, int64_t os) {
     __m512 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
     __m256 offset[DIRECT_MAX_ROWS];
@@ -202,12 +120,121 @@ static inline __attribute__((always_inline)) void words_rows_512(int type, int R
     }
 }
 
-/* out[r * os] for one weight row and R rows of x, R <= DIRECT_MAX_ROWS. */
-static inline __attribute__((always_inline)) void direct_rows_512(int type, int R, const uint8_t *row, int64_t groups,
-                                                                 const RoundedGroups *x, float *out, int64_t os) {
-    if (type == TYPE_Q4_K) q4_k_rows_512(R, row, groups, x, out, os);
-    else if (type == TYPE_Q6_K) q6_k_rows_512(R, row, groups, x, out, os);
-    else words_rows_512(type, R, row, groups, x, out, os);
+/* ---------------------------------------------------------------- in bytes
+ * Q4_K and Q6_K against x in bytes (int8 steps, one d_x per super-block: see
+ * "activations" in quant_matmul.c), the weights' unsigned integers u (Q4_K's
+ * nibbles 0..15, Q6_K's 6-bit values 0..63) as maddubs' unsigned operand: 64
+ * products in pairs into 16-bit lanes (|pair| <= 2 x 63 x 127, exact), then
+ * times each run's integer scale into 32-bit lanes (vpdpwssd, or madd + add),
+ * a super-block summed in integers (|sum| < 2^28) before one conversion:
+ *
+ *     Q4_K  d_x (d sum_j s_j (u . q)_j  -  dmin sum_j m_j (sum q)_j)
+ *     Q6_K  d_x d (sum_h s_h (u . q)_h  -  32 sum_h s_h (sum q)_h)
+ *
+ * j the eight groups, h the sixteen runs of 16 values. A 64-byte load of Q4_K's
+ * nibbles holds groups 0 and 2 in its low nibbles, 1 and 3 in its high ones, so
+ * x's bytes of a Q4_K super-block lie in the order 0 2 1 3 4 6 5 7
+ * (byte_group_slot in quant_matmul.c); Q6_K's half super-blocks are in order. */
+
+/* A vpermw index: word ``low`` in the 16 low lanes, word ``high`` in the 16 high ones. */
+static inline __m512i words_picked(int low, int high) {
+    return join_halves(_mm256_set1_epi16((short)low), _mm256_set1_epi16((short)high));
+}
+
+/* A vpermw index: words first .. first + 3, each in 8 lanes. */
+static inline __m512i four_words_picked(int first) {
+    return join_halves(_mm256_setr_m128i(_mm_set1_epi16((short)first), _mm_set1_epi16((short)(first + 1))),
+                       _mm256_setr_m128i(_mm_set1_epi16((short)(first + 2)), _mm_set1_epi16((short)(first + 3))));
+}
+
+/* acc + (u . q in pairs) times the pairs' 16-bit scales. */
+static inline __attribute__((always_inline)) __m512i scaled_bytes(__m512i acc, __m512i u, const int8_t *q,
+                                                                 __m512i scales) {
+    return dot_words(acc, _mm512_maddubs_epi16(u, _mm512_loadu_si512((const void *)q)), scales);
+}
+
+/* A Q4_K super-block's nibbles as four vectors in x's slot order (groups 0 2, 1 3,
+ * 4 6, 5 7), and each one's scales (16-bit lanes 0..15 the first group's s, 16..31
+ * the second's). */
+static inline __attribute__((always_inline)) void q4_k_byte_block_512(const uint8_t *block, __m512i u[4],
+                                                                     __m512i scales[4]) {
+    const __m512i low_nibble = _mm512_set1_epi8(15);
+    const __m512i first = _mm512_loadu_si512((const void *)(block + 16)), second = _mm512_loadu_si512((const void *)(block + 80));
+    u[0] = _mm512_and_si512(first, low_nibble), u[1] = _mm512_and_si512(_mm512_srli_epi16(first, 4), low_nibble);
+    u[2] = _mm512_and_si512(second, low_nibble), u[3] = _mm512_and_si512(_mm512_srli_epi16(second, 4), low_nibble);
+    const __m512i all = _mm512_castsi256_si512(q4_k_scales_and_mins(block));
+    scales[0] = _mm512_permutexvar_epi16(words_picked(0, 2), all);
+    scales[1] = _mm512_permutexvar_epi16(words_picked(1, 3), all);
+    scales[2] = _mm512_permutexvar_epi16(words_picked(4, 6), all);
+    scales[3] = _mm512_permutexvar_epi16(words_picked(5, 7), all);
+}
+
+static inline __attribute__((always_inline)) void q4_k_byte_rows_512(int R, const uint8_t *row, int64_t groups,
+                                                                    const RoundedGroups *x, float *out, int64_t os) {
+    __m512 acc[DIRECT_MAX_ROWS];
+    __m256 mins_acc[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), mins_acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 8) {
+        const uint8_t *block = row + (g / 8) * 144;
+        __m512i u[4], scales[4];
+        q4_k_byte_block_512(block, u, scales);
+        const __m256i mins = twice_each(_mm256_extracti128_si256(q4_k_scales_and_mins(block), 1));
+        const float d = f16_at(block), dmin = -f16_at(block + 2);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = r * groups + g;
+            const int8_t *q = x->q8 + i * GROUP;
+            __m512i sums = _mm512_setzero_si512();
+            for (int t = 0; t < 4; ++t) sums = scaled_bytes(sums, u[t], q + 64 * t, scales[t]);
+            const float step = x->d[i];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d * step), acc[r]);
+            /* lane j: m_j (sum of q over group j's two halves) */
+            const __m256i min_sums = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)(x->half_q + 2 * i)));
+            mins_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sums), _mm256_set1_ps(dmin * step), mins_acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(acc[r]) + hsum(mins_acc[r]);
+}
+
+/* Half n of a Q6_K super-block's 6-bit values as bytes: u[0] groups 4n and 4n + 1,
+ * u[1] groups 4n + 2 and 4n + 3 (see q6_k_group); each group's high bit pair
+ * moved to bits 4..5 by a shift of its 64-bit lanes. */
+static inline __attribute__((always_inline)) void q6_k_byte_half_512(const uint8_t *block, int n, __m512i u[2]) {
+    const __m512i low = _mm512_loadu_si512((const void *)(block + 64 * n));
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(block + 128 + 32 * n)));
+    const __m512i nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30);
+    const __m512i left = join_halves(_mm256_set1_epi64x(4), _mm256_set1_epi64x(2)); /* bits 0..1, 2..3 */
+    const __m512i right = join_halves(_mm256_set1_epi64x(0), _mm256_set1_epi64x(2)); /* bits 4..5, 6..7 */
+    u[0] = _mm512_or_si512(_mm512_and_si512(low, nibble), _mm512_and_si512(_mm512_sllv_epi64(high, left), pair));
+    u[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                           _mm512_and_si512(_mm512_srlv_epi64(high, right), pair));
+}
+
+static inline __attribute__((always_inline)) void q6_k_byte_rows_512(int R, const uint8_t *row, int64_t groups,
+                                                                    const RoundedGroups *x, float *out, int64_t os) {
+    __m512 acc[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 8) {
+        const uint8_t *block = row + (g / 8) * 210;
+        __m512i u[4];
+        q6_k_byte_half_512(block, 0, u), q6_k_byte_half_512(block, 1, u + 2);
+        /* the sixteen runs' scales: vector t's lanes 8 c .. 8 c + 7 take run 4 t + c */
+        const __m256i runs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 192)));
+        const __m512i all = _mm512_castsi256_si512(runs);
+        __m512i scales[4];
+        for (int t = 0; t < 4; ++t) scales[t] = _mm512_permutexvar_epi16(four_words_picked(4 * t), all);
+        const float d = f16_at(block + 208);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = r * groups + g;
+            const int8_t *q = x->q8 + i * GROUP;
+            __m512i sums = _mm512_setzero_si512();
+            for (int t = 0; t < 4; ++t) sums = scaled_bytes(sums, u[t], q + 64 * t, scales[t]);
+            /* the bias: 32 sum_h s_h (sum q)_h, in eight lanes */
+            const __m256i bias = _mm256_madd_epi16(runs, _mm256_loadu_si256((const __m256i *)(x->half_q + 2 * i)));
+            sums = _mm512_sub_epi32(sums, _mm512_zextsi256_si512(_mm256_slli_epi32(bias, 5)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d * x->d[i]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(acc[r]);
 }
 
 #endif /* CADENCE_QUANT_DIRECT_AVX512_H */

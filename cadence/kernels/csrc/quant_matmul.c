@@ -20,13 +20,14 @@
  * With AVX2 and FMA in -march the tile is k-major panels of 16 rows and the
  * register tiles are 6 rows of x by 16 weight rows (broadcast x, no
  * horizontal sums); elsewhere plain C dot products over row-major tiles.
- * The AVX2 build's byte types (Q4_K, Q6_K: x in int8 steps) take byte tiles
- * instead, the weights decoded to bytes and multiplied by maddubs
- * (quant_byte_tiles_avx2.h; 1.4-1.6x the float32 tiles' products a second).
- * With AVX512F and AVX512BW in -march both paths stay in integers, 32
- * products per instruction (VNNI's vpdpwssd where present): the decode path
- * in quant_direct_avx512.h, the tiles (decoded to int16, not float32) in
- * quant_tiles_avx512.h. ``quant_matmul_isa`` names the one built. Values decode as ggml's
+ * The byte types (Q4_K, Q6_K: x in int8 steps) take byte tiles instead, the
+ * weights decoded to bytes and multiplied by maddubs (quant_byte_tiles_avx2.h;
+ * 1.4-1.6x the float32 tiles' products a second). With AVX512F and AVX512BW in
+ * -march both paths stay in integers: the decode path in quant_direct_avx512.h,
+ * 32 products per instruction (VNNI's vpdpwssd where present), 64 for the byte
+ * types (maddubs); the tiles, decoded to int16 (quant_tiles_avx512.h) or, for
+ * the byte types, to bytes that VNNI's vpdpbusd multiplies 64 at a time
+ * (quant_byte_tiles_avx512.h). ``quant_matmul_isa`` names the one built. Values decode as ggml's
  * dequantize_row_* (and the gguf package) compute them, so results match
  * dequantize-then-matmul of the rounded x up to the order of the float32 sums.
  *
@@ -68,11 +69,9 @@
  * 1.2-2.1x), and up to 16 rows (13-16 rows: decode steps 1.2-1.4x, past 20
  * the tiles win; avx2-chunks-any-k-v1), so without AVX-512 they take up to 16
  * rows of any length. */
-#ifndef QUANT_AVX512
-/* The AVX2 build multiplies the types that round x to bytes (byte_activations)
- * as bytes: maddubs, 32 products in one instruction. */
+/* The types that round x to bytes (byte_activations) are multiplied as bytes:
+ * maddubs, 32 products in one instruction (64 with AVX-512). */
 #define BYTE_PRODUCTS 1
-#endif
 #ifdef QUANT_AVX512
 #define DIRECT_CHUNKED_MAX_ROWS 12
 #define DIRECT_CHUNKED_MAX_VALUES 10240
@@ -90,6 +89,15 @@
 #define PARALLEL_MIN_MACS (1 << 16)
 /* Most float32 bytes one thread's decoded tile may take (it stays in L2). */
 #define TILE_BYTES (96 * 1024)
+
+/* The products' float arithmetic keeps the order written here, whatever the
+ * build's flags (-fassociative-math, cadence/kernels/build.py): a row's value
+ * must not depend on how many rows share its call (quant_matmul_rows_apart,
+ * the batch-invariant mode), and with reassociation GCC multiplied a group's
+ * scales (d s) d_x in one order for one row and in another for four (Q5_K and
+ * IQ4_XS on an Ice Lake Xeon). Up to the end of this file. */
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
 
 #include "ggml_blocks.h"
 
@@ -336,6 +344,19 @@ int quant_round_activations(int type, const float *x, int64_t m, int64_t k, floa
  * half the instructions of decoding the group to float32. The weights' integers
  * and scales come from ggml_blocks.h (weight_values and the others). */
 
+/* Where group g of a row of x lies among its groups in bytes (q8): g itself,
+ * except for Q4_K with AVX-512, whose products read a super-block's groups in the
+ * order 0 2 1 3 4 6 5 7 (quant_direct_avx512.h, "in bytes"): bits 0 and 1 of g
+ * swapped. */
+static inline int64_t byte_group_slot(int type, int64_t g) {
+#ifdef QUANT_AVX512
+    if (type == TYPE_Q4_K) return (g & ~(int64_t)3) | (g & 1) << 1 | (g >> 1 & 1);
+#else
+    (void)type;
+#endif
+    return g;
+}
+
 /* Rows of x rounded for the integer products: group i (row-major over rows) is
  * q[32 i .. 32 i + 31] (32-byte aligned), step d[i], scaled_sum[i] = d * sum(q), and
  * half_sums[2 i], [2 i + 1] = d * sum(q) over values 0..15 and 16..31; where the
@@ -376,7 +397,11 @@ static void *rounding_buffer(size_t bytes) {
  * BYTE_PRODUCTS takes the type; NULL elsewhere. */
 static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k) {
     const int64_t groups = k / GROUP, count = m * groups;
+#ifdef QUANT_AVX512 /* the byte tiles of Q6_K read them too */
+    const int with_half_sums = type == TYPE_Q2_K || type == TYPE_Q6_K;
+#else
     const int with_half_sums = type == TYPE_Q2_K;
+#endif
 #ifdef BYTE_PRODUCTS
     const int with_bytes = byte_activations(type);
 #else
@@ -411,8 +436,9 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
             rounded.scaled_sum[i] = round_group(x + r * xs + g * GROUP, step, rounded.q + i * GROUP);
             if (with_bytes) {
                 int16_t halves[2] = {0, 0};
+                int8_t *bytes = rounded.q8 + (r * groups + byte_group_slot(type, g)) * GROUP;
                 for (int l = 0; l < GROUP; ++l) {
-                    rounded.q8[i * GROUP + l] = (int8_t)q[l];
+                    bytes[l] = (int8_t)q[l];
                     halves[l / (GROUP / 2)] += q[l];
                 }
                 rounded.half_q[2 * i] = halves[0], rounded.half_q[2 * i + 1] = halves[1];
@@ -518,11 +544,6 @@ static inline __attribute__((always_inline)) void scaled_rows(int R, const Round
     }
 }
 
-/* Every 16-bit lane: word t of its 128-bit lane. */
-static inline __m256i spread_word(__m256i words, int t) {
-    return _mm256_shuffle_epi8(words, _mm256_set1_epi16((short)((2 * t + 1) << 8 | 2 * t)));
-}
-
 /* Half n of a Q6_K super-block (groups 4 n .. 4 n + 3, see q6_k_group), its 96
  * bytes loaded once: group c's 32 values q (0..63) as bytes in bytes[c]. */
 static inline __attribute__((always_inline)) void q6_k_half_bytes(const uint8_t *block, int n, __m256i bytes[4]) {
@@ -538,24 +559,6 @@ static inline __attribute__((always_inline)) void q6_k_half_bytes(const uint8_t 
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), pair), 4));
     bytes[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(second, 4), nibble),
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), pair), 4));
-}
-
-/* Half n of a Q6_K super-block as 16-bit integers (see q6_k_half_bytes): group
- * c's values 0..15 in w[2 c], 16..31 in w[2 c + 1], each q - 32 times its per-16
- * scale (|scale (q - 32)| <= 4096). */
-static inline __attribute__((always_inline)) void q6_k_half_words(const uint8_t *block, int n, __m256i w[8]) {
-    __m256i bytes[4];
-    q6_k_half_bytes(block, n, bytes);
-    const __m256i bias = _mm256_set1_epi8(32);
-    /* the half's eight scales as 16-bit integers, in both 128-bit lanes */
-    const __m256i scales =
-        _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * n))));
-    for (int c = 0; c < 4; ++c) {
-        const __m256i values = _mm256_sub_epi8(bytes[c], bias);
-        w[2 * c] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), spread_word(scales, 2 * c));
-        w[2 * c + 1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
-                                          spread_word(scales, 2 * c + 1));
-    }
 }
 
 /* out[r * os] for one weight row and R rows of x (``groups`` groups each). Per
@@ -574,20 +577,9 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
         float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
         const RunScales scales = run_scales(type, row, g, len);
         for (int r = 0; r < R; ++r) run_row_scales(type, x, r * groups + g, len, &scales, scale[r], &even[r]);
-        if (type == TYPE_Q6_K) { /* half a super-block at a time */
-            const uint8_t *block = row + (g / 8) * 210;
-            for (int n = 0; n < 2; ++n) {
-                __m256i w[8];
-                q6_k_half_words(block, n, w);
-                for (int c = 0; c < 4; ++c)
-                    scaled_rows(R, x, g + 4 * n + c, groups, w[2 * c], w[2 * c + 1], scale, 4 * n + c,
-                                (c & 1) ? odd : even);
-            }
-            continue;
-        }
         for (int j = 0; j < len; j += 2) {
             __m256i v[4];
-            if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+            if (type == TYPE_Q5_K) {
                 k_pair_values(type, row + (g / 8) * row_bytes(type, 256), j, v);
             } else {
                 weight_values(type, row, g + j, &v[0], &v[1]);
@@ -600,7 +592,7 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
     for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
-#ifdef BYTE_PRODUCTS
+#if defined(BYTE_PRODUCTS) && !defined(QUANT_AVX512)
 /* direct_rows for Q4_K, x in bytes: per super-block its scales and mins (a, b)
  * once, each row's eight group scales a * d and offsets b . (d sum q); then each
  * pair of groups' 32 bytes of nibbles, split once, meets every row: the group's
@@ -680,12 +672,28 @@ static inline __attribute__((always_inline)) void q6_k_byte_rows(int R, const ui
     for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
+#endif
+
+#ifdef QUANT_AVX512
+#include "quant_direct_avx512.h"
+#include "quant_tiles_avx512.h"
+#include "quant_byte_tiles_avx512.h"
+#define DIRECT_ROWS direct_rows_512
+#define Q4_K_BYTE_ROWS q4_k_byte_rows_512
+#define Q6_K_BYTE_ROWS q6_k_byte_rows_512
+#else
+#include "quant_byte_tiles_avx2.h"
+#define DIRECT_ROWS direct_rows
+#define Q4_K_BYTE_ROWS q4_k_byte_rows
+#define Q6_K_BYTE_ROWS q6_k_byte_rows
+#endif
+
 /* One weight row against a chunk of ``rows`` rows of x in bytes (type Q4_K or Q6_K). */
 static inline __attribute__((always_inline)) void byte_row(int type, const uint8_t *row, int64_t groups,
                                                           const RoundedGroups *x, int64_t rows, float *out,
                                                           int64_t os) {
 #define BYTE_ROWS(R)                                                                          \
-    (type == TYPE_Q4_K ? q4_k_byte_rows(R, row, groups, x, out, os) : q6_k_byte_rows(R, row, groups, x, out, os))
+    (type == TYPE_Q4_K ? Q4_K_BYTE_ROWS(R, row, groups, x, out, os) : Q6_K_BYTE_ROWS(R, row, groups, x, out, os))
     switch (rows) {
     case 1: BYTE_ROWS(1); break;
     case 2: BYTE_ROWS(2); break;
@@ -694,19 +702,6 @@ static inline __attribute__((always_inline)) void byte_row(int type, const uint8
     }
 #undef BYTE_ROWS
 }
-#endif
-
-#ifdef BYTE_PRODUCTS
-#include "quant_byte_tiles_avx2.h"
-#endif
-
-#ifdef QUANT_AVX512
-#include "quant_direct_avx512.h"
-#include "quant_tiles_avx512.h"
-#define DIRECT_ROWS direct_rows_512
-#else
-#define DIRECT_ROWS direct_rows
-#endif
 
 #define DIRECT_BY_ROWS(TYPE)                                                                      \
     switch (m) {                                                                                  \
@@ -730,8 +725,7 @@ static void direct_row(int type, const uint8_t *row, int64_t groups, const Round
     case TYPE_IQ4_XS: DIRECT_BY_ROWS(TYPE_IQ4_XS); break;
     case TYPE_Q2_K: DIRECT_BY_ROWS(TYPE_Q2_K); break;
     case TYPE_Q3_K: DIRECT_BY_ROWS(TYPE_Q3_K); break;
-    case TYPE_Q6_K: DIRECT_BY_ROWS(TYPE_Q6_K); break;
-    default: DIRECT_BY_ROWS(TYPE_Q4_K); break;
+    default: break; /* Q4_K and Q6_K: byte_row */
     }
 }
 #endif
@@ -861,10 +855,36 @@ static int products_rows_apart(int type, const uint8_t *weight, int64_t stride, 
 }
 #endif
 
+#ifdef BYTE_PRODUCTS
+/* Many rows, a type whose x is in bytes: byte tiles (quant_byte_tiles_avx2.h, quant_byte_tiles_avx512.h). */
+static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
+                                  const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    if (rounded.q == NULL) return -2;
+    const int64_t groups = k / GROUP, num_panels = (n + BYTE_PANEL_ROWS - 1) / BYTE_PANEL_ROWS;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t t = 0; t < num_panels; ++t) {
+        void *buffer = thread_tile(byte_panel_bytes(groups) / (int64_t)sizeof(float));
+        if (buffer == NULL) {
+            failed = 1;
+            continue;
+        }
+        const int64_t first = t * BYTE_PANEL_ROWS, rows = n - first < BYTE_PANEL_ROWS ? n - first : BYTE_PANEL_ROWS;
+        multiply_byte_panel(type, weight + first * stride, stride, rows, groups, &rounded, m, buffer, out + first,
+                            out_stride);
+    }
+    release_rows(&rounded);
+    return failed ? -2 : 0;
+}
+#endif
+
 #ifdef QUANT_AVX512
-/* Many rows with AVX-512: integer tiles (quant_tiles_avx512.h). */
+/* Many rows with AVX-512: integer tiles (quant_tiles_avx512.h), byte tiles for the byte types. */
 static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
+    if (byte_activations(type))
+        return products_of_byte_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
     RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_tiles = (n + INT_TILE_ROWS - 1) / INT_TILE_ROWS;
@@ -885,30 +905,6 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
     return failed ? -2 : 0;
 }
 #else
-#ifdef BYTE_PRODUCTS
-/* Many rows, AVX2, a type whose x is in bytes: byte tiles (quant_byte_tiles_avx2.h). */
-static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
-                                  const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
-    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
-    if (rounded.q == NULL) return -2;
-    const int64_t groups = k / GROUP, num_panels = (n + BYTE_PANEL_ROWS - 1) / BYTE_PANEL_ROWS;
-    int failed = 0;
-    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t t = 0; t < num_panels; ++t) {
-        void *buffer = thread_tile(byte_panel_bytes() / (int64_t)sizeof(float));
-        if (buffer == NULL) {
-            failed = 1;
-            continue;
-        }
-        const int64_t first = t * BYTE_PANEL_ROWS, rows = n - first < BYTE_PANEL_ROWS ? n - first : BYTE_PANEL_ROWS;
-        multiply_byte_panel(type, weight + first * stride, stride, rows, groups, &rounded, m, buffer, out + first,
-                            out_stride);
-    }
-    release_rows(&rounded);
-    return failed ? -2 : 0;
-}
-#endif
-
 static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
 #ifdef BYTE_PRODUCTS
@@ -1023,3 +1019,5 @@ int quant_dequantize_rows(int type, const uint8_t *weight, int64_t k, const int6
     for (int64_t i = 0; i < count; ++i) decode_row(type, weight + ids[i] * stride, k, out + i * k);
     return 0;
 }
+
+#pragma GCC pop_options

@@ -58,31 +58,6 @@ static inline int row_words(int type, const uint8_t *row, int64_t g, int16_t wor
         return 1;
     }
     const uint8_t *block = row + (g / 8) * row_bytes(type, 256);
-    if (type == TYPE_Q4_K) {
-        __m256 av, bv;
-        q4_k_scale_vectors(block, &av, &bv);
-        _mm256_storeu_ps(a, av);
-        float mins[8];
-        _mm256_storeu_ps(mins, bv);
-        for (int j = 0; j < 8; ++j) b[2 * j] = b[2 * j + 1] = mins[j];
-        const __m512i low_nibble = _mm512_set1_epi16(15);
-        for (int j = 0; j < 8; j += 2) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 16 + 16 * j)));
-            _mm512_storeu_si512(words[j], _mm512_and_si512(bytes, low_nibble));
-            _mm512_storeu_si512(words[j + 1], _mm512_srli_epi16(bytes, 4));
-        }
-        return 8;
-    }
-    if (type == TYPE_Q6_K) {
-        const float d = f16_at(block + 208);
-        for (int j = 0; j < 8; ++j) a[j] = d, b[2 * j] = b[2 * j + 1] = 0.0f;
-        for (int n = 0; n < 2; ++n) {
-            __m512i w[4];
-            q6_k_half_512(block, n, w);
-            for (int c = 0; c < 4; ++c) _mm512_storeu_si512(words[4 * n + c], w[c]);
-        }
-        return 8;
-    }
     super_block_scales(type, block, a, b);
     for (int j = 0; j < 8; j += 2) {
         __m512i first, second;
