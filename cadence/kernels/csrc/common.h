@@ -32,8 +32,9 @@ static inline void bf16_row_to_float(float *dst, const uint16_t *src, int n) {
 }
 
 /* IEEE half to float, exactly (subnormals, infinities and NaN included): one
- * instruction where the CPU has F16C. */
-static inline float f16_to_float(uint16_t half) {
+ * instruction where the CPU has F16C. Always inlined: quant_matmul.c's products,
+ * compiled with other float options (no reassociation), call it in their loops. */
+static inline __attribute__((always_inline)) float f16_to_float(uint16_t half) {
 #if defined(__F16C__)
     return _cvtsh_ss(half);
 #endif

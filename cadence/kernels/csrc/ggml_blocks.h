@@ -466,7 +466,7 @@ static inline __m256i fifth_bit_words(uint16_t bits) {
 
 /* Group g of a weight row as 16-bit integers u (values 0..15 in lo, 16..31 in hi);
  * the group's weights are a * u + b (``group_scales``, ``super_block_scales``). */
-static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256i *lo, __m256i *hi) {
+static inline __attribute__((always_inline)) void weight_values(int type, const uint8_t *row, int64_t g, __m256i *lo, __m256i *hi) {
     const __m256i low_nibble = _mm256_set1_epi16(15);
     switch (type) {
     case TYPE_Q8_0: {
@@ -536,7 +536,7 @@ static inline void weight_values(int type, const uint8_t *row, int64_t g, __m256
 /* Groups j and j + 1 (j even) of a Q4_K or Q5_K super-block, which share their 32
  * bytes of nibbles: j in the low nibbles, j + 1 in the high ones (values[0..1] and
  * [2..3]). Each byte is widened once; Q5_K's fifth bits are bits j, j + 1 of qh. */
-static inline void k_pair_values(int type, const uint8_t *block, int j, __m256i values[4]) {
+static inline __attribute__((always_inline)) void k_pair_values(int type, const uint8_t *block, int j, __m256i values[4]) {
     const uint8_t *q = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
     const __m256i low_nibble = _mm256_set1_epi16(15);
     const __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
@@ -572,15 +572,14 @@ static inline __attribute__((always_inline)) void q4_k_scale_vectors(const uint8
 /* A Q4_K super-block's eight 6-bit scales (16-bit lanes 0..7) and mins (8..15),
  * unpacked from its 12 packed bytes with 32-bit masks (as q4_k_scale_min reads them). */
 static inline __m256i q4_k_scales_and_mins(const uint8_t *block) {
-    uint32_t packed[4];
+    uint32_t packed[3];
     memcpy(packed, block + 4, 12);
     const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    packed[3] = ((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4); /* mins 4..7 */
-    const uint32_t mins = packed[1] & low6;                                   /* mins 0..3 */
-    packed[1] = (packed[2] & low4) | (((packed[0] >> 6) & top2) << 4);        /* scales 4..7 */
-    packed[2] = mins;
-    packed[0] &= low6; /* scales 0..3 */
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)packed));
+    /* built in registers: four scalar stores read back as one vector would wait for them */
+    return _mm256_cvtepu8_epi16(_mm_setr_epi32((int)(packed[0] & low6),                                      /* scales 0..3 */
+                                               (int)((packed[2] & low4) | (((packed[0] >> 6) & top2) << 4)),  /* scales 4..7 */
+                                               (int)(packed[1] & low6),                                       /* mins 0..3 */
+                                               (int)(((packed[2] >> 4) & low4) | (((packed[1] >> 6) & top2) << 4)))); /* mins 4..7 */
 }
 
 /* Eight 16-bit values, each twice: a group's value for both its runs. */
@@ -590,7 +589,7 @@ static inline __m256i twice_each(__m128i values) {
 
 /* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row (b[0] = b[1]: a group's
  * offset is taken whole, see ``run_scales`` in quant_matmul.c). */
-static inline void group_scales(int type, const uint8_t *row, int64_t g, float *a, float b[2]) {
+static inline __attribute__((always_inline)) void group_scales(int type, const uint8_t *row, int64_t g, float *a, float b[2]) {
     const uint8_t *block = row + g * row_bytes(type, GROUP);
     *a = f16_at(block);
     switch (type) {
@@ -605,7 +604,7 @@ static inline void group_scales(int type, const uint8_t *row, int64_t g, float *
 
 /* a and b of the eight groups of a Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-block,
  * unpacked once for all of them: group j's a[j], its halves' b[2 j], b[2 j + 1]. */
-static inline void super_block_scales(int type, const uint8_t *block, float a[8], float b[16]) {
+static inline __attribute__((always_inline)) void super_block_scales(int type, const uint8_t *block, float a[8], float b[16]) {
     if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
         const float d = f16_at(block), dmin = f16_at(block + 2);
         for (int j = 0; j < 8; ++j) {

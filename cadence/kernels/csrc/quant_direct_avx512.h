@@ -29,6 +29,21 @@ static inline __attribute__((always_inline)) __m512i dot_words(__m512i acc, __m5
 #endif
 }
 
+/* How far ahead of a weight row's block the decode rows ask for the weights
+ * (prefetcht0, one line per 64 bytes of the block): without it one decode thread
+ * kept too few lines in flight, and on an Ice Lake Xeon a row of Q4_K read 12
+ * GB/s on two threads, with it 20 (BENCHMARKS.md, avx512-byte-products-v1).
+ * Rows of a thread's range lie one after another, so the lines ahead are its
+ * next rows'. */
+#ifndef DECODE_PREFETCH_AHEAD
+#define DECODE_PREFETCH_AHEAD 4096
+#endif
+
+static inline __attribute__((always_inline)) void prefetch_block_ahead(const uint8_t *block, int bytes) {
+    for (int offset = 0; offset < bytes; offset += 64)
+        _mm_prefetch((const char *)block + DECODE_PREFETCH_AHEAD + offset, _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) __m512i join_halves(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -97,6 +112,7 @@ static inline __attribute__((always_inline)) void direct_rows_512(int type, int 
         const int64_t block_bytes = row_bytes(type, 256);
         for (; g < groups; g += 8) {
             const uint8_t *block = row + (g / 8) * block_bytes;
+            prefetch_block_ahead(block, (int)block_bytes);
             float a[8], b[16];
             super_block_scales(type, block, a, b);
             for (int j = 0; j < 8; j += 2) {
@@ -109,6 +125,7 @@ static inline __attribute__((always_inline)) void direct_rows_512(int type, int 
     } else {
         float a, b[2];
         for (; g < groups; ++g) {
+            _mm_prefetch((const char *)row + g * row_bytes(type, GROUP) + DECODE_PREFETCH_AHEAD, _MM_HINT_T0);
             group_scales(type, row, g, &a, b);
             weight_values(type, row, g, &v[0], &v[1]);
             words_group_512(type, R, g, groups, x, join_halves(v[0], v[1]), a, b, (g & 1) ? odd : even, offset);
@@ -176,6 +193,7 @@ static inline __attribute__((always_inline)) void q4_k_byte_rows_512(int R, cons
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), mins_acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 144;
+        prefetch_block_ahead(block, 144);
         __m512i u[4], scales[4];
         q4_k_byte_block_512(block, u, scales);
         const __m256i mins = twice_each(_mm256_extracti128_si256(q4_k_scales_and_mins(block), 1));
@@ -215,6 +233,7 @@ static inline __attribute__((always_inline)) void q6_k_byte_rows_512(int R, cons
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 210;
+        prefetch_block_ahead(block, 210);
         __m512i u[4];
         q6_k_byte_half_512(block, 0, u), q6_k_byte_half_512(block, 1, u + 2);
         /* the sixteen runs' scales: vector t's lanes 8 c .. 8 c + 7 take run 4 t + c */
