@@ -6,8 +6,8 @@ rounded per group of 32 values to int16 steps of max|x| / 32767 (llama.cpp
 rounds its activations to int8; these steps are 256 times finer;
 ``round_activations`` shows the values), or, for the types of
 ``quantized.BYTE_ACTIVATION_TYPES`` (Q4_K, Q6_K), per 256 values to int8 steps of
-max|x| / 127 (llama.cpp's Q8_K), which the AVX2 build multiplies as bytes, in
-the decode path and in byte tiles for many rows. A decode step's few rows (up to 4,
+max|x| / 127 (llama.cpp's Q8_K), which the x86 builds multiply as bytes, in
+the decode path and in byte tiles for many rows (AVX-512: VNNI's vpdpbusd). A decode step's few rows (up to 4,
 or up to ``direct_max_rows``: 12 while M * K <= 10240 with AVX-512, 16 of any
 length with AVX2 alone) multiply the weight's integers with x's in registers, four rows at a time
 (about half the instructions of decoding the weights to float32); more rows get a few weight rows at a time decoded to float32 and multiplied
@@ -15,9 +15,10 @@ with the rounded rows, so the weight's bytes are read once per call and
 their decoding is shared by all rows (prefill, batches). Both compute the
 same product up to the order of float32 sums, so a request's tokens do not
 depend on its batch. Built with AVX2 FMA where the build's ``-march`` has
-them, as plain C otherwise; with AVX-512 (F, BW) both paths multiply 16-bit
-integers, 32 products per instruction (VNNI where the CPU has it), the tiles
-decoded to integers instead of float32 (``isa`` says which). ``quant_matmul()`` is None where
+them, as plain C otherwise; with AVX-512 (F, BW) both paths multiply
+integers, 32 products per instruction in 16 bits and 64 in bytes (VNNI where
+the CPU has it), the tiles decoded to integers instead of float32 (``isa``
+says which). ``quant_matmul()`` is None where
 the library cannot be built; callers then dequantize in PyTorch.
 
 ``QuantMatmul.rows_apart()`` is the same kernel taking the integer path at every
