@@ -55,8 +55,7 @@ static inline __attribute__((always_inline)) __m512i dot_bytes(__m512i acc, __m5
 static inline void byte_row_block(int type, const uint8_t *row, int64_t s, __m512i u[4], float *scales, int c) {
     if (type == TYPE_Q4_K) {
         const uint8_t *block = row + s * 144;
-        __m512i run_scales[4];
-        q4_k_byte_block_512(block, u, run_scales);
+        q4_k_byte_nibbles_512(block, u);
         float a[8], b[8];
         __m256 av, bv;
         q4_k_scale_vectors(block, &av, &bv);

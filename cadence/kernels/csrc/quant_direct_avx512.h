@@ -178,19 +178,12 @@ static inline __attribute__((always_inline)) __m512i scaled_bytes(__m512i acc, _
 }
 
 /* A Q4_K super-block's nibbles as four vectors in x's slot order (groups 0 2, 1 3,
- * 4 6, 5 7), and each one's scales (16-bit lanes 0..15 the first group's s, 16..31
- * the second's). */
-static inline __attribute__((always_inline)) void q4_k_byte_block_512(const uint8_t *block, __m512i u[4],
-                                                                     __m512i scales[4]) {
+ * 4 6, 5 7). */
+static inline __attribute__((always_inline)) void q4_k_byte_nibbles_512(const uint8_t *block, __m512i u[4]) {
     const __m512i low_nibble = _mm512_set1_epi8(15);
     const __m512i first = _mm512_loadu_si512((const void *)(block + 16)), second = _mm512_loadu_si512((const void *)(block + 80));
     u[0] = _mm512_and_si512(first, low_nibble), u[1] = _mm512_and_si512(_mm512_srli_epi16(first, 4), low_nibble);
     u[2] = _mm512_and_si512(second, low_nibble), u[3] = _mm512_and_si512(_mm512_srli_epi16(second, 4), low_nibble);
-    const __m512i all = _mm512_castsi256_si512(q4_k_scales_and_mins(block));
-    scales[0] = _mm512_permutexvar_epi16(words_picked(0, 2), all);
-    scales[1] = _mm512_permutexvar_epi16(words_picked(1, 3), all);
-    scales[2] = _mm512_permutexvar_epi16(words_picked(4, 6), all);
-    scales[3] = _mm512_permutexvar_epi16(words_picked(5, 7), all);
 }
 
 static inline __attribute__((always_inline)) void q4_k_byte_rows_512(int R, const uint8_t *row, int64_t groups,
@@ -201,9 +194,16 @@ static inline __attribute__((always_inline)) void q4_k_byte_rows_512(int R, cons
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 144;
         prefetch_block_ahead(block, 144);
-        __m512i u[4], scales[4];
-        q4_k_byte_block_512(block, u, scales);
-        const __m256i mins = twice_each(_mm256_extracti128_si256(q4_k_scales_and_mins(block), 1));
+        __m512i u[4];
+        q4_k_byte_nibbles_512(block, u);
+        /* each vector's scales: 16-bit lanes 0..15 its first group's s, 16..31 its second's */
+        const __m256i scales_and_mins = q4_k_scales_and_mins(block);
+        const __m512i all = _mm512_castsi256_si512(scales_and_mins);
+        const __m512i scales[4] = {_mm512_permutexvar_epi16(words_picked(0, 2), all),
+                                   _mm512_permutexvar_epi16(words_picked(1, 3), all),
+                                   _mm512_permutexvar_epi16(words_picked(4, 6), all),
+                                   _mm512_permutexvar_epi16(words_picked(5, 7), all)};
+        const __m256i mins = twice_each(_mm256_extracti128_si256(scales_and_mins, 1));
         const float d = f16_at(block), dmin = -f16_at(block + 2);
         for (int r = 0; r < R; ++r) {
             const int64_t i = r * groups + g;
