@@ -9,10 +9,13 @@
  * half the instructions per group of the AVX2 path, so a decode step reads
  * the weights at the memory's speed instead of the core's.
  *
- * Every type but Q4_K and Q6_K takes its 16-bit integers from ggml_blocks.h's
- * AVX2 forms, two halves joined into one register. Q4_K and Q6_K, the types of
- * Q4_K_M files, meet x in bytes ("in bytes" below): 64 products per maddubs,
- * a super-block's sums kept in integers.
+ * The 32-value types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) are taken two
+ * groups at a time, x's integers of a pair laid out to match the weights'
+ * ("pairs of groups" below). The other super-block types take their 16-bit
+ * integers from ggml_blocks.h's AVX2 forms, two halves joined into one
+ * register. Q4_K and Q6_K, the types of Q4_K_M files, meet x in bytes ("in
+ * bytes" below): 64 products per maddubs, a super-block's sums kept in
+ * integers.
  *
  * The includer defines QUANT_AVX512 (AVX512F and AVX512BW in -march) and
  * includes ggml_blocks.h and the RoundedGroups of x first. */
@@ -99,43 +102,156 @@ static inline __attribute__((always_inline)) void words_group_512(int type, int 
     }
 }
 
+/* ---------------------------------------------------------------- pairs of groups
+ * The 32-value types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL: a scale a, for some an
+ * offset b, per group) two groups g, g + 1 (g even) at a time. x's integers of the
+ * pair lie as [g 0..15, g+1 0..15] [g 16..31, g+1 16..31] (``pair_slots`` in
+ * quant_matmul.c), matching a register of both groups' weights 0..15 (each group's
+ * low nibbles, one zero-extension of the pair's 32 bytes) and one of their
+ * 16..31: two vpdpwssd give 16 sums, lanes 0..7 group g's and 8..15 group g + 1's,
+ * scaled by one vector. The two groups' scales and offsets come from one multiply
+ * of four floats, [a_g, b_g, a_g+1, b_g+1] x [d_g, (d sum q)_g, ...]. A last group
+ * without a partner lies in order and is taken alone. Per group about half the
+ * instructions of one group at a time. */
+
+/* The pair's weights as 16-bit integers u: low = both groups' values 0..15, high 16..31. */
+static inline __attribute__((always_inline)) void pair_words(int type, const uint8_t *first, const uint8_t *second,
+                                                            __m512i *low, __m512i *high) {
+    const __m512i low_nibble = _mm512_set1_epi16(15);
+    switch (type) {
+    case TYPE_Q8_0:
+        *low = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i((const __m128i *)(second + 2), (const __m128i *)(first + 2)));
+        *high = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i((const __m128i *)(second + 18), (const __m128i *)(first + 18)));
+        return;
+    case TYPE_Q4_0:
+    case TYPE_Q4_1: { /* byte i holds values i (low nibble) and i + 16 (high) */
+        const int at = type == TYPE_Q4_0 ? 2 : 4;
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i((const __m128i *)(second + at),
+                                                                       (const __m128i *)(first + at)));
+        *low = _mm512_and_si512(words, low_nibble), *high = _mm512_srli_epi16(words, 4);
+        return;
+    }
+    case TYPE_Q5_0:
+    case TYPE_Q5_1: { /* as Q4_0, plus 16 where value i's fifth bit (bit i of qh) is set */
+        const int at = type == TYPE_Q5_0 ? 2 : 4;
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i((const __m128i *)(second + at + 4),
+                                                                       (const __m128i *)(first + at + 4)));
+        const uint32_t bits_first = fifth_bits_word(first + at), bits_second = fifth_bits_word(second + at);
+        const __mmask32 low_bits = (bits_first & 0xffffu) | bits_second << 16;
+        const __mmask32 high_bits = bits_first >> 16 | (bits_second & 0xffff0000u);
+        const __m512i sixteen = _mm512_set1_epi16(16), nibbles = _mm512_and_si512(words, low_nibble);
+        *low = _mm512_mask_add_epi16(nibbles, low_bits, nibbles, sixteen);
+        *high = _mm512_mask_add_epi16(_mm512_srli_epi16(words, 4), high_bits, _mm512_srli_epi16(words, 4), sixteen);
+        return;
+    }
+    default: { /* TYPE_IQ4_NL: the nibbles' levels, looked up as bytes, widened with their sign */
+        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        const __m256i mask = _mm256_set1_epi8(15);
+        const __m256i packed = _mm256_loadu2_m128i((const __m128i *)(second + 2), (const __m128i *)(first + 2));
+        *low = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(levels, _mm256_and_si256(packed, mask)));
+        *high = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask)));
+        return;
+    }
+    }
+}
+
+/* [a_g, b_g, a_g+1, b_g+1] of the pair (the groups' weights are a u + b). */
+static inline __attribute__((always_inline)) __m128 pair_scales(int type, const uint8_t *first, const uint8_t *second) {
+    uint16_t d[2];
+    memcpy(&d[0], first, 2), memcpy(&d[1], second, 2);
+    if (type == TYPE_Q4_1 || type == TYPE_Q5_1) { /* half d then half m */
+        uint32_t dm[2];
+        memcpy(&dm[0], first, 4), memcpy(&dm[1], second, 4);
+        return _mm_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], 0, 0));
+    }
+    /* each d twice, then b = -8 d (Q4_0), -16 d (Q5_0) or 0 */
+    const float offset = type == TYPE_Q4_0 ? -8.0f : type == TYPE_Q5_0 ? -16.0f : 0.0f;
+    const __m128 twice = _mm_cvtph_ps(_mm_setr_epi32((int)(d[0] * 0x10001u), (int)(d[1] * 0x10001u), 0, 0));
+    return _mm_mul_ps(twice, _mm_setr_ps(1.0f, offset, 1.0f, offset));
+}
+
+/* acc += both groups' sums scaled, offset += [., b_g (d sum q)_g, ., b_g+1 (d sum q)_g+1]:
+ * one row of x, its groups i and i + 1. */
+static inline __attribute__((always_inline)) void pair_row(int type, const RoundedGroups *x, int64_t i, __m512i low,
+                                                          __m512i high, __m128 scales, __m512 *acc, __m128 *offset) {
+    const __m512i sums = dot_words(dot_words(_mm512_setzero_si512(), low, group_words(x, i)), high,
+                                   group_words(x, i + 1));
+    const __m128 steps = _mm_unpacklo_ps(_mm_castpd_ps(_mm_load_sd((const double *)(x->d + i))),
+                                         _mm_castpd_ps(_mm_load_sd((const double *)(x->scaled_sum + i))));
+    const __m128 products = _mm_mul_ps(scales, steps);
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(products)), *acc);
+    if (OFFSET_TYPE(type)) *offset = _mm_add_ps(*offset, products);
+}
+
+/* The pair of groups g, g + 1 of a row (of blocks ``block_bytes`` long) against R rows of x. */
+static inline __attribute__((always_inline)) void pair_rows_step(int type, int R, const uint8_t *row, int64_t block_bytes,
+                                                                int64_t g, int64_t groups, const RoundedGroups *x,
+                                                                __m512 *acc, __m128 *offset) {
+    const uint8_t *first = row + g * block_bytes;
+    prefetch_block_ahead(first, (int)(2 * block_bytes));
+    __m512i low, high;
+    pair_words(type, first, first + block_bytes, &low, &high);
+    const __m128 scales = pair_scales(type, first, first + block_bytes);
+    for (int r = 0; r < R; ++r) pair_row(type, x, r * groups + g, low, high, scales, &acc[r], &offset[r]);
+}
+
+static inline __attribute__((always_inline)) void pair_rows_512(int type, int R, const uint8_t *row, int64_t groups,
+                                                              const RoundedGroups *x, float *out, int64_t os) {
+    const int64_t block_bytes = row_bytes(type, GROUP);
+    __m512 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
+    __m128 offset[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offset[r] = _mm_setzero_ps();
+    int64_t g = 0;
+    /* two pairs a step, into even and odd accumulators named apart (a pointer picked
+     * at run time would keep them on the stack) */
+    for (; g + 4 <= groups; g += 4) {
+        pair_rows_step(type, R, row, block_bytes, g, groups, x, even, offset);
+        pair_rows_step(type, R, row, block_bytes, g + 2, groups, x, odd, offset);
+    }
+    if (g + 2 <= groups) pair_rows_step(type, R, row, block_bytes, g, groups, x, even, offset), g += 2;
+    float alone[DIRECT_MAX_ROWS] = {0.0f};
+    if (g < groups) { /* the last group, without a partner: in order */
+        float a, b[2];
+        __m256i lo, hi;
+        group_scales(type, row, g, &a, b);
+        weight_values(type, row, g, &lo, &hi);
+        const __m512i words = join_halves(lo, hi);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = r * groups + g;
+            odd[r] = scaled_group(odd[r], words, x, i, a * x->d[i]);
+            alone[r] = b[0] * x->scaled_sum[i];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m128 offsets = _mm_add_ps(offset[r], _mm_movehl_ps(offset[r], offset[r])); /* lane 1: b_g terms */
+        out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) +
+                      (_mm_cvtss_f32(_mm_shuffle_ps(offsets, offsets, 1)) + alone[r]);
+    }
+}
+
 /* out[r * os] for one weight row and R rows of x, R <= DIRECT_MAX_ROWS (every type but
  * the byte types, Q4_K and Q6_K: "in bytes" below). */
 static inline __attribute__((always_inline)) void direct_rows_512(int type, int R, const uint8_t *row, int64_t groups,
                                                                 const RoundedGroups *x, float *out, int64_t os) {
+    if (!SUPER_BLOCK_TYPE(type)) {
+        pair_rows_512(type, R, row, groups, x, out, os);
+        return;
+    }
     __m512 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
     __m256 offset[DIRECT_MAX_ROWS];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offset[r] = _mm256_setzero_ps();
-    __m256i v[4];
-    int64_t g = 0;
-    if (SUPER_BLOCK_TYPE(type)) {
-        const int64_t block_bytes = row_bytes(type, 256);
-        for (; g < groups; g += 8) {
-            const uint8_t *block = row + (g / 8) * block_bytes;
-            prefetch_block_ahead(block, (int)block_bytes);
-            float a[8], b[16];
-            super_block_scales(type, block, a, b);
-            for (int j = 0; j < 8; j += 2) {
-                __m512i first, second;
-                super_block_pair_words(type, row, block, g, j, &first, &second);
-                words_group_512(type, R, g + j, groups, x, first, a[j], b + 2 * j, even, offset);
-                words_group_512(type, R, g + j + 1, groups, x, second, a[j + 1], b + 2 * j + 2, odd, offset);
-            }
-        }
-    } else {
-        /* even and odd groups by name, not by (g & 1) ? odd : even: a pointer picked
-         * at run time kept the accumulators on the stack, each group waiting for the
-         * last one's store (Q4_1 and Q5_0 rows 1.6x slower) */
-        float a, b[2];
-        for (; g < groups; g += 2) {
-            _mm_prefetch((const char *)row + g * row_bytes(type, GROUP) + DECODE_PREFETCH_AHEAD, _MM_HINT_T0);
-            group_scales(type, row, g, &a, b);
-            weight_values(type, row, g, &v[0], &v[1]);
-            words_group_512(type, R, g, groups, x, join_halves(v[0], v[1]), a, b, even, offset);
-            if (g + 1 == groups) break;
-            group_scales(type, row, g + 1, &a, b);
-            weight_values(type, row, g + 1, &v[2], &v[3]);
-            words_group_512(type, R, g + 1, groups, x, join_halves(v[2], v[3]), a, b, odd, offset);
+    const int64_t block_bytes = row_bytes(type, 256);
+    for (int64_t g = 0; g < groups; g += 8) {
+        const uint8_t *block = row + (g / 8) * block_bytes;
+        prefetch_block_ahead(block, (int)block_bytes);
+        float a[8], b[16];
+        super_block_scales(type, block, a, b);
+        for (int j = 0; j < 8; j += 2) {
+            __m512i first, second;
+            super_block_pair_words(type, row, block, g, j, &first, &second);
+            words_group_512(type, R, g + j, groups, x, first, a[j], b + 2 * j, even, offset);
+            words_group_512(type, R, g + j + 1, groups, x, second, a[j + 1], b + 2 * j + 2, odd, offset);
         }
     }
     for (int r = 0; r < R; ++r) {

@@ -357,8 +357,34 @@ static inline int64_t byte_group_slot(int type, int64_t g) {
     return g;
 }
 
+/* Whether the decode rows take ``type``'s groups two at a time (quant_direct_avx512.h,
+ * "pairs of groups"): the 32-value types, with AVX-512. */
+static inline int decode_in_pairs(int type) {
+#ifdef QUANT_AVX512
+    switch (type) {
+    case TYPE_Q8_0: case TYPE_Q4_0: case TYPE_Q4_1: case TYPE_Q5_0: case TYPE_Q5_1: case TYPE_IQ4_NL: return 1;
+    default: return 0;
+    }
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* Where group g's integers lie among a row's 32 * groups, in pairs: values 0..15
+ * at low, 16..31 at high. Groups g, g + 1 (g even) as [g 0..15, g+1 0..15, g
+ * 16..31, g+1 16..31]; a last group without a partner in order. */
+static inline void pair_slots(int64_t g, int64_t groups, int64_t *low, int64_t *high) {
+    if ((g | 1) >= groups) {
+        *low = g * GROUP, *high = *low + GROUP / 2;
+        return;
+    }
+    *low = (g & ~(int64_t)1) * GROUP + (g & 1) * (GROUP / 2), *high = *low + GROUP;
+}
+
 /* Rows of x rounded for the integer products: group i (row-major over rows) is
- * q[32 i .. 32 i + 31] (32-byte aligned), step d[i], scaled_sum[i] = d * sum(q), and
+ * q[32 i .. 32 i + 31] (32-byte aligned; for the types of decode_in_pairs in the
+ * products of few rows, a pair's values in the order pair_slots gives), step d[i], scaled_sum[i] = d * sum(q), and
  * half_sums[2 i], [2 i + 1] = d * sum(q) over values 0..15 and 16..31; where the
  * build multiplies bytes, q8 the same integers as bytes and half_q[2 i], [2 i + 1]
  * the sums of q over values 0..15 and 16..31 (|sum| <= 16 * 127). */
@@ -395,7 +421,7 @@ static void *rounding_buffer(size_t bytes) {
  * (valid until the thread's next call) or, past its bound, an allocation of its
  * own (release_rows frees it); q NULL without memory. half_sums only for Q2_K (its products read them), q8 only where
  * BYTE_PRODUCTS takes the type; NULL elsewhere. */
-static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k) {
+static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs, int64_t k, int in_pairs) {
     const int64_t groups = k / GROUP, count = m * groups;
 #ifdef QUANT_AVX512 /* the byte tiles of Q6_K read them too */
     const int with_half_sums = type == TYPE_Q2_K || type == TYPE_Q6_K;
@@ -430,10 +456,14 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
         float step = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t i = r * groups + g;
-            const int16_t *q = rounded.q + i * GROUP;
+            int16_t q[GROUP];
             if (g % (span / GROUP) == 0) step = rounding_step(x + r * xs + g * GROUP, span, steps);
             rounded.d[i] = step;
-            rounded.scaled_sum[i] = round_group(x + r * xs + g * GROUP, step, rounded.q + i * GROUP);
+            rounded.scaled_sum[i] = round_group(x + r * xs + g * GROUP, step, q);
+            int64_t low = g * GROUP, high = low + GROUP / 2;
+            if (in_pairs) pair_slots(g, groups, &low, &high);
+            memcpy(rounded.q + r * groups * GROUP + low, q, sizeof q / 2);
+            memcpy(rounded.q + r * groups * GROUP + high, q + GROUP / 2, sizeof q / 2);
             if (with_bytes) {
                 int16_t halves[2] = {0, 0};
                 int8_t *bytes = rounded.q8 + (r * groups + byte_group_slot(type, g)) * GROUP;
@@ -799,7 +829,7 @@ static inline __attribute__((always_inline)) void byte_products(int type, const 
 static int products_of_groups(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                               const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
 #if DIRECT_MAX_ROWS
-    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k, decode_in_pairs(type));
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
     const int64_t pass = m <= DIRECT_CHUNKED_MAX_ROWS ? 1 : WEIGHT_ROWS_PER_PASS;
@@ -859,7 +889,7 @@ static int products_rows_apart(int type, const uint8_t *weight, int64_t stride, 
 /* Many rows, a type whose x is in bytes: byte tiles (quant_byte_tiles_avx2.h, quant_byte_tiles_avx512.h). */
 static int products_of_byte_tiles(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t k,
                                   const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
-    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k, 0);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_panels = (n + BYTE_PANEL_ROWS - 1) / BYTE_PANEL_ROWS;
     int failed = 0;
@@ -885,7 +915,7 @@ static int products_of_tiles(int type, const uint8_t *weight, int64_t stride, in
                              const float *x, int64_t m, int64_t x_stride, float *out, int64_t out_stride) {
     if (byte_activations(type))
         return products_of_byte_tiles(type, weight, stride, n, k, x, m, x_stride, out, out_stride);
-    RoundedGroups rounded = round_rows(type, x, m, x_stride, k);
+    RoundedGroups rounded = round_rows(type, x, m, x_stride, k, 0);
     if (rounded.q == NULL) return -2;
     const int64_t groups = k / GROUP, num_tiles = (n + INT_TILE_ROWS - 1) / INT_TILE_ROWS;
     int failed = 0;
