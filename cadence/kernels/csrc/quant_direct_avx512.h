@@ -109,10 +109,13 @@ static inline __attribute__((always_inline)) void words_group_512(int type, int 
  * quant_matmul.c), matching a register of both groups' weights 0..15 (each group's
  * low nibbles, one zero-extension of the pair's 32 bytes) and one of their
  * 16..31: two vpdpwssd give 16 sums, lanes 0..7 group g's and 8..15 group g + 1's,
- * scaled by one vector. The two groups' scales and offsets come from one multiply
- * of four floats, [a_g, b_g, a_g+1, b_g+1] x [d_g, (d sum q)_g, ...]. A last group
- * without a partner lies in order and is taken alone. Per group about half the
- * instructions of one group at a time. */
+ * scaled by one vector. Two pairs' scales and offsets come from one multiply of
+ * eight floats, [a_g, b_g, a_g+1, b_g+1, ...] x [d_g, (d sum q)_g, ...] (x's
+ * step_sums). A pair left over is taken alone, and a last group without a
+ * partner lies in order and is taken alone too. The shuffle port sets the
+ * pace here (each pair's widening, its scales' gathering and conversion, the
+ * scale vectors' permutes): per group about a third of the one-group-at-a-time
+ * path's shuffles. */
 
 /* The pair's weights as 16-bit integers u: low = both groups' values 0..15, high 16..31. */
 static inline __attribute__((always_inline)) void pair_words(int type, const uint8_t *first, const uint8_t *second,
@@ -155,61 +158,156 @@ static inline __attribute__((always_inline)) void pair_words(int type, const uin
     }
 }
 
+/* The factor of b: m itself (Q4_1, Q5_1: the block holds it, after d), or b = factor * d. */
+static inline int with_m(int type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
+static inline float offset_factor(int type) { return type == TYPE_Q4_0 ? -8.0f : type == TYPE_Q5_0 ? -16.0f : 0.0f; }
+
 /* [a_g, b_g, a_g+1, b_g+1] of the pair (the groups' weights are a u + b). */
 static inline __attribute__((always_inline)) __m128 pair_scales(int type, const uint8_t *first, const uint8_t *second) {
     uint16_t d[2];
     memcpy(&d[0], first, 2), memcpy(&d[1], second, 2);
-    if (type == TYPE_Q4_1 || type == TYPE_Q5_1) { /* half d then half m */
+    if (with_m(type)) { /* half d then half m */
         uint32_t dm[2];
         memcpy(&dm[0], first, 4), memcpy(&dm[1], second, 4);
         return _mm_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], 0, 0));
     }
-    /* each d twice, then b = -8 d (Q4_0), -16 d (Q5_0) or 0 */
-    const float offset = type == TYPE_Q4_0 ? -8.0f : type == TYPE_Q5_0 ? -16.0f : 0.0f;
+    const float factor = offset_factor(type); /* each d twice, then times [1, factor] */
     const __m128 twice = _mm_cvtph_ps(_mm_setr_epi32((int)(d[0] * 0x10001u), (int)(d[1] * 0x10001u), 0, 0));
-    return _mm_mul_ps(twice, _mm_setr_ps(1.0f, offset, 1.0f, offset));
+    return _mm_mul_ps(twice, _mm_setr_ps(1.0f, factor, 1.0f, factor));
 }
 
-/* acc += both groups' sums scaled, offset += [., b_g (d sum q)_g, ., b_g+1 (d sum q)_g+1]:
- * one row of x, its groups i and i + 1. */
-static inline __attribute__((always_inline)) void pair_row(int type, const RoundedGroups *x, int64_t i, __m512i low,
-                                                          __m512i high, __m128 scales, __m512 *acc, __m128 *offset) {
-    const __m512i sums = dot_words(dot_words(_mm512_setzero_si512(), low, group_words(x, i)), high,
-                                   group_words(x, i + 1));
-    const __m128 steps = _mm_unpacklo_ps(_mm_castpd_ps(_mm_load_sd((const double *)(x->d + i))),
-                                         _mm_castpd_ps(_mm_load_sd((const double *)(x->scaled_sum + i))));
-    const __m128 products = _mm_mul_ps(scales, steps);
-    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(products)), *acc);
-    if (OFFSET_TYPE(type)) *offset = _mm_add_ps(*offset, products);
+#ifdef __AVX512VBMI__
+/* With VBMI a pair of 18..24-byte blocks is one 64-byte load, and its words are
+ * picked from it by one vpermb; two pairs' eight scale halves by one vpermt2b.
+ * Q8_0's pair of 34-byte blocks does not fit one load. */
+#define PICK_BYTE_WORDS(at) (at), 0, (at) + 1, 0, (at) + 2, 0, (at) + 3, 0, (at) + 4, 0, (at) + 5, 0, (at) + 6, 0,   \
+                            (at) + 7, 0, (at) + 8, 0, (at) + 9, 0, (at) + 10, 0, (at) + 11, 0, (at) + 12, 0,       \
+                            (at) + 13, 0, (at) + 14, 0, (at) + 15, 0
+/* vpermb indexes: byte 2 w of the result is the pair's byte of qs[w] (the first block's
+ * 16 bytes of nibbles at ``at``, then the second's), byte 2 w + 1 zeroed by the mask */
+#define PICK_QS(at, block) {PICK_BYTE_WORDS(at), PICK_BYTE_WORDS((block) + (at))}
+static const uint8_t PICK_Q4_0_QS[64] __attribute__((aligned(64))) = PICK_QS(2, 18); /* and IQ4_NL */
+static const uint8_t PICK_Q4_1_QS[64] __attribute__((aligned(64))) = PICK_QS(4, 20);
+static const uint8_t PICK_Q5_0_QS[64] __attribute__((aligned(64))) = PICK_QS(6, 22);
+static const uint8_t PICK_Q5_1_QS[64] __attribute__((aligned(64))) = PICK_QS(8, 24);
+#undef PICK_QS
+#undef PICK_BYTE_WORDS
+
+/* A pair's two blocks (``block`` bytes each), one masked load: nothing past them is read. */
+static inline __attribute__((always_inline)) __m512i pair_bytes(const uint8_t *first, int block) {
+    return _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * block)) - 1, first);
 }
 
-/* The pair of groups g, g + 1 of a row (of blocks ``block_bytes`` long) against R rows of x. */
-static inline __attribute__((always_inline)) void pair_rows_step(int type, int R, const uint8_t *row, int64_t block_bytes,
+/* The pair's words (as pair_words) from its bytes. */
+static inline __attribute__((always_inline)) void pair_words_picked(int type, const uint8_t *first, __m512i bytes,
+                                                                   __m512i *low, __m512i *high) {
+    const int block = (int)row_bytes(type, GROUP);
+    const uint8_t *pick = type == TYPE_Q4_1 ? PICK_Q4_1_QS : type == TYPE_Q5_0 ? PICK_Q5_0_QS
+                          : type == TYPE_Q5_1 ? PICK_Q5_1_QS : PICK_Q4_0_QS;
+    const __m512i words = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512((const void *)pick), bytes);
+    *low = _mm512_and_si512(words, _mm512_set1_epi16(15)), *high = _mm512_srli_epi16(words, 4);
+    if (type == TYPE_Q5_0 || type == TYPE_Q5_1) { /* 16 where value i's fifth bit (bit i of qh) is set */
+        const int at = type == TYPE_Q5_0 ? 2 : 4;
+        const uint32_t bits_first = fifth_bits_word(first + at), bits_second = fifth_bits_word(first + block + at);
+        const __m512i sixteen = _mm512_set1_epi16(16);
+        *low = _mm512_mask_add_epi16(*low, (bits_first & 0xffffu) | bits_second << 16, *low, sixteen);
+        *high = _mm512_mask_add_epi16(*high, bits_first >> 16 | (bits_second & 0xffff0000u), *high, sixteen);
+    } else if (type == TYPE_IQ4_NL) { /* the nibbles' levels, looked up as words */
+        const __m512i levels = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)IQ4_LEVELS)));
+        *low = _mm512_permutexvar_epi16(*low, levels), *high = _mm512_permutexvar_epi16(*high, levels);
+    }
+}
+
+/* vpermt2b index of a block's d (and m) halves as two halves of the result: d, m or d, d. */
+#define HALVES_PICK(at, m) (char)(at), (char)((at) + 1), (char)((at) + 2 * (m)), (char)((at) + 2 * (m) + 1)
+
+/* Two pairs' [a, b] of their four groups from the pairs' bytes (``first``'s and ``second``'s). */
+static inline __attribute__((always_inline)) __m256 two_pairs_scales_picked(int type, __m512i first, __m512i second) {
+    const int block = (int)row_bytes(type, GROUP), m = with_m(type);
+    const __m512i pick = _mm512_castsi128_si512(_mm_setr_epi8(HALVES_PICK(0, m), HALVES_PICK(block, m),
+                                                              HALVES_PICK(64, m), HALVES_PICK(64 + block, m)));
+    const __m256 halves = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi8(first, pick, second)));
+    if (m) return halves;
+    const float factor = offset_factor(type);
+    return _mm256_mul_ps(halves, _mm256_setr_ps(1.0f, factor, 1.0f, factor, 1.0f, factor, 1.0f, factor));
+}
+#undef HALVES_PICK
+#endif
+
+/* Pairs g, g + 1 and g + 2, g + 3 of a row: their words and their four groups' [a, b]. */
+static inline __attribute__((always_inline)) void two_pairs(int type, const uint8_t *first, int64_t block,
+                                                           __m512i low[2], __m512i high[2], __m256 *scales) {
+#ifdef __AVX512VBMI__
+    if (type != TYPE_Q8_0) {
+        const __m512i bytes[2] = {pair_bytes(first, (int)block), pair_bytes(first + 2 * block, (int)block)};
+        pair_words_picked(type, first, bytes[0], &low[0], &high[0]);
+        pair_words_picked(type, first + 2 * block, bytes[1], &low[1], &high[1]);
+        *scales = two_pairs_scales_picked(type, bytes[0], bytes[1]);
+        return;
+    }
+#endif
+    for (int p = 0; p < 2; ++p) pair_words(type, first + 2 * p * block, first + (2 * p + 1) * block, &low[p], &high[p]);
+    *scales = _mm256_set_m128(pair_scales(type, first + 2 * block, first + 3 * block),
+                              pair_scales(type, first, first + block));
+}
+
+/* Group i's and i + 1's sums (lanes 0..7, 8..15) of one row of x against a pair's words. */
+static inline __attribute__((always_inline)) __m512i pair_sums(const RoundedGroups *x, int64_t i, __m512i low, __m512i high) {
+    return dot_words(_mm512_madd_epi16(low, group_words(x, i)), high, group_words(x, i + 1));
+}
+
+/* The scale vector of pair p (0 or 1) of ``products`` = [a d, b (d sum q)] of four groups. */
+static inline __attribute__((always_inline)) __m512 pair_scale_vector(__m256 products, int p) {
+    const __m512i pick = _mm512_setr_epi32(4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p, 4 * p + 2,
+                                           4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2);
+    return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(products));
+}
+
+/* Pairs g, g + 1 and g + 2, g + 3 of a row (of blocks ``block`` bytes long) against R
+ * rows of x: the first pair into even, the second into odd; offset += the products,
+ * whose odd lanes are the four groups' b (d sum q). */
+static inline __attribute__((always_inline)) void two_pairs_rows(int type, int R, const uint8_t *row, int64_t block,
                                                                 int64_t g, int64_t groups, const RoundedGroups *x,
-                                                                __m512 *acc, __m128 *offset) {
-    const uint8_t *first = row + g * block_bytes;
-    prefetch_block_ahead(first, (int)(2 * block_bytes));
+                                                                __m512 *even, __m512 *odd, __m256 *offset) {
+    const uint8_t *first = row + g * block;
+    prefetch_block_ahead(first, (int)(4 * block));
+    __m512i low[2], high[2];
+    __m256 scales;
+    two_pairs(type, first, block, low, high, &scales);
+    for (int r = 0; r < R; ++r) {
+        const int64_t i = r * groups + g;
+        const __m256 products = _mm256_mul_ps(scales, _mm256_loadu_ps(x->step_sums + 2 * i));
+        even[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(x, i, low[0], high[0])), pair_scale_vector(products, 0), even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(x, i + 2, low[1], high[1])), pair_scale_vector(products, 1), odd[r]);
+        if (OFFSET_TYPE(type)) offset[r] = _mm256_add_ps(offset[r], products);
+    }
+}
+
+/* One pair g, g + 1 (the last of an odd number of pairs) against R rows of x. */
+static inline __attribute__((always_inline)) void pair_rows(int type, int R, const uint8_t *row, int64_t block, int64_t g,
+                                                           int64_t groups, const RoundedGroups *x, __m512 *acc,
+                                                           __m256 *offset) {
+    const uint8_t *first = row + g * block;
     __m512i low, high;
-    pair_words(type, first, first + block_bytes, &low, &high);
-    const __m128 scales = pair_scales(type, first, first + block_bytes);
-    for (int r = 0; r < R; ++r) pair_row(type, x, r * groups + g, low, high, scales, &acc[r], &offset[r]);
+    pair_words(type, first, first + block, &low, &high);
+    const __m128 scales = pair_scales(type, first, first + block);
+    for (int r = 0; r < R; ++r) {
+        const int64_t i = r * groups + g;
+        const __m256 products = _mm256_castps128_ps256(_mm_mul_ps(scales, _mm_loadu_ps(x->step_sums + 2 * i)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(x, i, low, high)), pair_scale_vector(products, 0), acc[r]);
+        if (OFFSET_TYPE(type)) offset[r] = _mm256_add_ps(offset[r], _mm256_zextps128_ps256(_mm256_castps256_ps128(products)));
+    }
 }
 
 static inline __attribute__((always_inline)) void pair_rows_512(int type, int R, const uint8_t *row, int64_t groups,
                                                               const RoundedGroups *x, float *out, int64_t os) {
-    const int64_t block_bytes = row_bytes(type, GROUP);
+    const int64_t block = row_bytes(type, GROUP);
     __m512 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
-    __m128 offset[DIRECT_MAX_ROWS];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offset[r] = _mm_setzero_ps();
+    __m256 offset[DIRECT_MAX_ROWS];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps(), offset[r] = _mm256_setzero_ps();
     int64_t g = 0;
-    /* two pairs a step, into even and odd accumulators named apart (a pointer picked
-     * at run time would keep them on the stack) */
-    for (; g + 4 <= groups; g += 4) {
-        pair_rows_step(type, R, row, block_bytes, g, groups, x, even, offset);
-        pair_rows_step(type, R, row, block_bytes, g + 2, groups, x, odd, offset);
-    }
-    if (g + 2 <= groups) pair_rows_step(type, R, row, block_bytes, g, groups, x, even, offset), g += 2;
+    for (; g + 4 <= groups; g += 4) two_pairs_rows(type, R, row, block, g, groups, x, even, odd, offset);
+    if (g + 2 <= groups) pair_rows(type, R, row, block, g, groups, x, even, offset), g += 2;
     float alone[DIRECT_MAX_ROWS] = {0.0f};
     if (g < groups) { /* the last group, without a partner: in order */
         float a, b[2];
@@ -224,9 +322,10 @@ static inline __attribute__((always_inline)) void pair_rows_512(int type, int R,
         }
     }
     for (int r = 0; r < R; ++r) {
-        const __m128 offsets = _mm_add_ps(offset[r], _mm_movehl_ps(offset[r], offset[r])); /* lane 1: b_g terms */
+        float offsets[8];
+        _mm256_storeu_ps(offsets, offset[r]);
         out[r * os] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) +
-                      (_mm_cvtss_f32(_mm_shuffle_ps(offsets, offsets, 1)) + alone[r]);
+                      (((offsets[1] + offsets[3]) + (offsets[5] + offsets[7])) + alone[r]);
     }
 }
 

@@ -45,6 +45,13 @@
 
 #include "common.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
@@ -344,6 +351,16 @@ int quant_round_activations(int type, const float *x, int64_t m, int64_t k, floa
  * half the instructions of decoding the group to float32. The weights' integers
  * and scales come from ggml_blocks.h (weight_values and the others). */
 
+/* Whether this build's decode rows multiply ``type``'s weights by x's bytes (q8). */
+static inline int byte_decode_rows(int type) {
+#ifdef BYTE_PRODUCTS
+    return byte_activations(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
 /* Where group g of a row of x lies among its groups in bytes (q8): g itself,
  * except for Q4_K with AVX-512, whose products read a super-block's groups in the
  * order 0 2 1 3 4 6 5 7 (quant_direct_avx512.h, "in bytes"): bits 0 and 1 of g
@@ -393,6 +410,7 @@ typedef struct {
     float *d, *scaled_sum, *half_sums;
     int8_t *q8;
     int16_t *half_q;
+    float *step_sums; /* [2 i] = d[i], [2 i + 1] = scaled_sum[i], for the pairs' rows; else NULL */
     void *owned; /* an allocation of its own (free it: release_rows), or NULL */
 } RoundedGroups;
 
@@ -428,14 +446,10 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
 #else
     const int with_half_sums = type == TYPE_Q2_K;
 #endif
-#ifdef BYTE_PRODUCTS
-    const int with_bytes = byte_activations(type);
-#else
-    const int with_bytes = 0;
-#endif
+    const int with_bytes = byte_decode_rows(type);
     const float steps = activation_steps(type);
     const int64_t span = rounding_span(type);
-    RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    RoundedGroups rounded = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t bytes = (size_t)count * (GROUP * sizeof(int16_t) + 4 * sizeof(float) +
                                           (with_bytes ? GROUP + 2 * sizeof(int16_t) : 0));
     rounded.q = rounding_buffer(bytes);
@@ -451,6 +465,8 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
     rounded.half_sums = with_half_sums ? rounded.scaled_sum + count : NULL;
     rounded.q8 = with_bytes ? (int8_t *)(rounded.scaled_sum + 3 * count) : NULL;
     rounded.half_q = with_bytes ? (int16_t *)(rounded.q8 + count * GROUP) : NULL;
+    /* the pairs' types have no half sums: their two floats a group hold the step sums */
+    rounded.step_sums = in_pairs ? rounded.scaled_sum + count : NULL;
     #pragma omp parallel for schedule(static) if (m * k >= PARALLEL_MIN_MACS)
     for (int64_t r = 0; r < m; ++r) {
         float step = 0.0f;
@@ -464,6 +480,7 @@ static RoundedGroups round_rows(int type, const float *x, int64_t m, int64_t xs,
             if (in_pairs) pair_slots(g, groups, &low, &high);
             memcpy(rounded.q + r * groups * GROUP + low, q, sizeof q / 2);
             memcpy(rounded.q + r * groups * GROUP + high, q + GROUP / 2, sizeof q / 2);
+            if (in_pairs) rounded.step_sums[2 * i] = step, rounded.step_sums[2 * i + 1] = rounded.scaled_sum[i];
             if (with_bytes) {
                 int16_t halves[2] = {0, 0};
                 int8_t *bytes = rounded.q8 + (r * groups + byte_group_slot(type, g)) * GROUP;
@@ -597,7 +614,7 @@ static inline __attribute__((always_inline)) void q6_k_half_bytes(const uint8_t 
  * offsets into the even groups' accumulator); then
  * each group's integers, decoded once, meet every row (madd, one FMA). Even and
  * odd groups go to separate accumulators, to hide the FMA latency. Inlined into
- * direct_row with constant type and R. */
+ * chunk_rows with constant type and R. */
 static inline __attribute__((always_inline)) void direct_rows(int type, int R, const uint8_t *row, int64_t groups,
                                                              const RoundedGroups *x, float *out, int64_t os) {
     __m256 even[DIRECT_MAX_ROWS], odd[DIRECT_MAX_ROWS];
@@ -718,44 +735,20 @@ static inline __attribute__((always_inline)) void q6_k_byte_rows(int R, const ui
 #define Q6_K_BYTE_ROWS q6_k_byte_rows
 #endif
 
-/* One weight row against a chunk of ``rows`` rows of x in bytes (type Q4_K or Q6_K). */
-static inline __attribute__((always_inline)) void byte_row(int type, const uint8_t *row, int64_t groups,
-                                                          const RoundedGroups *x, int64_t rows, float *out,
-                                                          int64_t os) {
-#define BYTE_ROWS(R)                                                                          \
-    (type == TYPE_Q4_K ? Q4_K_BYTE_ROWS(R, row, groups, x, out, os) : Q6_K_BYTE_ROWS(R, row, groups, x, out, os))
-    switch (rows) {
-    case 1: BYTE_ROWS(1); break;
-    case 2: BYTE_ROWS(2); break;
-    case 3: BYTE_ROWS(3); break;
-    default: BYTE_ROWS(4); break;
-    }
-#undef BYTE_ROWS
-}
-
-#define DIRECT_BY_ROWS(TYPE)                                                                      \
-    switch (m) {                                                                                  \
-    case 1: DIRECT_ROWS(TYPE, 1, row, groups, x, out, os); break;                                 \
-    case 2: DIRECT_ROWS(TYPE, 2, row, groups, x, out, os); break;                                 \
-    case 3: DIRECT_ROWS(TYPE, 3, row, groups, x, out, os); break;                                 \
-    default: DIRECT_ROWS(TYPE, 4, row, groups, x, out, os); break;                                \
-    }
-
-/* out[0:m, n] for one weight row, m <= DIRECT_MAX_ROWS. */
-static void direct_row(int type, const uint8_t *row, int64_t groups, const RoundedGroups *x, int64_t m,
-                       float *out, int64_t os) {
-    switch (type) {
-    case TYPE_Q8_0: DIRECT_BY_ROWS(TYPE_Q8_0); break;
-    case TYPE_Q4_0: DIRECT_BY_ROWS(TYPE_Q4_0); break;
-    case TYPE_Q4_1: DIRECT_BY_ROWS(TYPE_Q4_1); break;
-    case TYPE_Q5_0: DIRECT_BY_ROWS(TYPE_Q5_0); break;
-    case TYPE_Q5_1: DIRECT_BY_ROWS(TYPE_Q5_1); break;
-    case TYPE_Q5_K: DIRECT_BY_ROWS(TYPE_Q5_K); break;
-    case TYPE_IQ4_NL: DIRECT_BY_ROWS(TYPE_IQ4_NL); break;
-    case TYPE_IQ4_XS: DIRECT_BY_ROWS(TYPE_IQ4_XS); break;
-    case TYPE_Q2_K: DIRECT_BY_ROWS(TYPE_Q2_K); break;
-    case TYPE_Q3_K: DIRECT_BY_ROWS(TYPE_Q3_K); break;
-    default: break; /* Q4_K and Q6_K: byte_row */
+/* Weight rows first .. end - 1 against a chunk of R rows of x (R <= DIRECT_MAX_ROWS): the
+ * byte rows for Q4_K and Q6_K where the build multiplies bytes, else DIRECT_ROWS.
+ * Inlined with a constant type and R into row_products: the loop over weight rows
+ * holds one kernel, whose constants stay in registers across it (with the four
+ * kernels of R = 1..4 in one loop, GCC kept all their constants there and
+ * spilled the accumulators: Q5_K and Q8_0 rows 1.2-1.4x slower). */
+static inline __attribute__((always_inline)) void chunk_rows(int type, int R, const uint8_t *weight, int64_t stride,
+                                                            int64_t first, int64_t end, int64_t groups,
+                                                            const RoundedGroups *x, float *out, int64_t os) {
+    for (int64_t c = first; c < end; ++c) {
+        const uint8_t *row = weight + c * stride;
+        if (!byte_decode_rows(type)) DIRECT_ROWS(type, R, row, groups, x, out + c, os);
+        else if (type == TYPE_Q4_K) Q4_K_BYTE_ROWS(R, row, groups, x, out + c, os);
+        else Q6_K_BYTE_ROWS(R, row, groups, x, out + c, os);
     }
 }
 #endif
@@ -792,30 +785,62 @@ static inline RoundedGroups chunk_of(const RoundedGroups *rounded, int64_t group
     const RoundedGroups chunk = {rounded->q + first * GROUP, rounded->d + first, rounded->scaled_sum + first,
                                  rounded->half_sums ? rounded->half_sums + 2 * first : NULL,
                                  rounded->q8 ? rounded->q8 + first * GROUP : NULL,
-                                 rounded->half_q ? rounded->half_q + 2 * first : NULL, NULL};
+                                 rounded->half_q ? rounded->half_q + 2 * first : NULL,
+                                 rounded->step_sums ? rounded->step_sums + 2 * first : NULL, NULL};
     return chunk;
 }
 #endif
 
-#ifdef BYTE_PRODUCTS
-/* products_of_groups' passes for a type whose x is in bytes, each row's kernel
- * inlined (through direct_row's switches the products read 25% fewer bytes a second). */
-static inline __attribute__((always_inline)) void byte_products(int type, const uint8_t *weight, int64_t stride,
+#if DIRECT_MAX_ROWS
+/* Passes begin .. end - 1 of products_of_groups for one type, each row's kernel
+ * inlined with its type and R constant: through a switch on the type and a call
+ * per weight row the Q4_K products read 25% fewer bytes a second, and the
+ * 32-value types' short rows lost as much to each row's setting up. */
+static inline __attribute__((always_inline)) void type_products(int type, const uint8_t *weight, int64_t stride,
                                                                int64_t n, int64_t groups,
                                                                const RoundedGroups *rounded, int64_t m,
-                                                               int64_t pass, float *out, int64_t out_stride) {
-    const int64_t num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS, num_passes = (n + pass - 1) / pass;
-    #pragma omp parallel for schedule(static) if (m * n * groups * GROUP >= PARALLEL_MIN_MACS)
-    for (int64_t p = 0; p < num_passes; ++p) {
-        const int64_t first = p * pass, end = first + pass < n ? first + pass : n;
+                                                               int64_t pass, int64_t begin, int64_t end,
+                                                               float *out, int64_t out_stride) {
+    const int64_t num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
+    for (int64_t p = begin; p < end; ++p) {
+        const int64_t first = p * pass, last = first + pass < n ? first + pass : n;
         for (int64_t j = 0; j < num_chunks; ++j) {
             const RoundedGroups chunk = chunk_of(rounded, groups, j);
             const int64_t rows = m - j * DIRECT_MAX_ROWS < DIRECT_MAX_ROWS ? m - j * DIRECT_MAX_ROWS : DIRECT_MAX_ROWS;
             float *chunk_out = out + j * DIRECT_MAX_ROWS * out_stride;
-            for (int64_t c = first; c < end; ++c)
-                byte_row(type, weight + c * stride, groups, &chunk, rows, chunk_out + c, out_stride);
+            switch (rows) {
+            case 1: chunk_rows(type, 1, weight, stride, first, last, groups, &chunk, chunk_out, out_stride); break;
+            case 2: chunk_rows(type, 2, weight, stride, first, last, groups, &chunk, chunk_out, out_stride); break;
+            case 3: chunk_rows(type, 3, weight, stride, first, last, groups, &chunk, chunk_out, out_stride); break;
+            default: chunk_rows(type, 4, weight, stride, first, last, groups, &chunk, chunk_out, out_stride); break;
+            }
         }
     }
+}
+
+/* One thread's share of products_of_groups. Its own function, not the parallel
+ * region's body: GCC outlines a region before it inlines, so a type constant at
+ * the region's call site would be a variable inside it. */
+static void thread_products(int type, const uint8_t *weight, int64_t stride, int64_t n, int64_t groups,
+                            const RoundedGroups *rounded, int64_t m, int64_t pass, int64_t begin, int64_t end,
+                            float *out, int64_t out_stride) {
+#define TYPE_PRODUCTS(TYPE) type_products(TYPE, weight, stride, n, groups, rounded, m, pass, begin, end, out, out_stride)
+    switch (type) {
+    case TYPE_Q8_0: TYPE_PRODUCTS(TYPE_Q8_0); break;
+    case TYPE_Q4_0: TYPE_PRODUCTS(TYPE_Q4_0); break;
+    case TYPE_Q4_1: TYPE_PRODUCTS(TYPE_Q4_1); break;
+    case TYPE_Q5_0: TYPE_PRODUCTS(TYPE_Q5_0); break;
+    case TYPE_Q5_1: TYPE_PRODUCTS(TYPE_Q5_1); break;
+    case TYPE_Q2_K: TYPE_PRODUCTS(TYPE_Q2_K); break;
+    case TYPE_Q3_K: TYPE_PRODUCTS(TYPE_Q3_K); break;
+    case TYPE_Q4_K: TYPE_PRODUCTS(TYPE_Q4_K); break;
+    case TYPE_Q5_K: TYPE_PRODUCTS(TYPE_Q5_K); break;
+    case TYPE_Q6_K: TYPE_PRODUCTS(TYPE_Q6_K); break;
+    case TYPE_IQ4_NL: TYPE_PRODUCTS(TYPE_IQ4_NL); break;
+    case TYPE_IQ4_XS: TYPE_PRODUCTS(TYPE_IQ4_XS); break;
+    default: break;
+    }
+#undef TYPE_PRODUCTS
 }
 #endif
 
@@ -831,29 +856,16 @@ static int products_of_groups(int type, const uint8_t *weight, int64_t stride, i
 #if DIRECT_MAX_ROWS
     RoundedGroups rounded = round_rows(type, x, m, x_stride, k, decode_in_pairs(type));
     if (rounded.q == NULL) return -2;
-    const int64_t groups = k / GROUP, num_chunks = (m + DIRECT_MAX_ROWS - 1) / DIRECT_MAX_ROWS;
-    const int64_t pass = m <= DIRECT_CHUNKED_MAX_ROWS ? 1 : WEIGHT_ROWS_PER_PASS;
+    const int64_t groups = k / GROUP, pass = m <= DIRECT_CHUNKED_MAX_ROWS ? 1 : WEIGHT_ROWS_PER_PASS;
     const int64_t num_passes = (n + pass - 1) / pass;
-#ifdef BYTE_PRODUCTS
-    if (byte_activations(type)) {
-        if (type == TYPE_Q4_K)
-            byte_products(TYPE_Q4_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
-        else
-            byte_products(TYPE_Q6_K, weight, stride, n, groups, &rounded, m, pass, out, out_stride);
-        release_rows(&rounded);
-        return 0;
-    }
-#endif
-    #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t p = 0; p < num_passes; ++p) {
-        const int64_t first = p * pass, end = first + pass < n ? first + pass : n;
-        for (int64_t j = 0; j < num_chunks; ++j) {
-            const RoundedGroups chunk = chunk_of(&rounded, groups, j);
-            const int64_t rows = m - j * DIRECT_MAX_ROWS < DIRECT_MAX_ROWS ? m - j * DIRECT_MAX_ROWS : DIRECT_MAX_ROWS;
-            for (int64_t c = first; c < end; ++c)
-                direct_row(type, weight + c * stride, groups, &chunk, rows,
-                           out + j * DIRECT_MAX_ROWS * out_stride + c, out_stride);
-        }
+    #pragma omp parallel if (m * n * k >= PARALLEL_MIN_MACS)
+    {
+        /* contiguous shares, as schedule(static) would give */
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t share = num_passes / threads, extra = num_passes % threads;
+        const int64_t begin = thread * share + (thread < extra ? thread : extra);
+        const int64_t end = begin + share + (thread < extra);
+        thread_products(type, weight, stride, n, groups, &rounded, m, pass, begin, end, out, out_stride);
     }
     release_rows(&rounded);
     return 0;
