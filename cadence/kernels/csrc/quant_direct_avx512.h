@@ -32,21 +32,6 @@ static inline __attribute__((always_inline)) __m512i dot_words(__m512i acc, __m5
 #endif
 }
 
-/* How far ahead of a weight row's block the decode rows ask for the weights
- * (prefetcht0, one line per 64 bytes of the block): without it one decode thread
- * kept too few lines in flight, and on an Ice Lake Xeon a row of Q4_K read 12
- * GB/s on two threads, with it 20 (BENCHMARKS.md, avx512-byte-products-v1).
- * Rows of a thread's range lie one after another, so the lines ahead are its
- * next rows'. */
-#ifndef DECODE_PREFETCH_AHEAD
-#define DECODE_PREFETCH_AHEAD 4096
-#endif
-
-static inline __attribute__((always_inline)) void prefetch_block_ahead(const uint8_t *block, int bytes) {
-    for (int offset = 0; offset < bytes; offset += 64)
-        _mm_prefetch((const char *)block + DECODE_PREFETCH_AHEAD + offset, _MM_HINT_T0);
-}
-
 static inline __attribute__((always_inline)) __m512i join_halves(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }

@@ -608,6 +608,21 @@ static inline __attribute__((always_inline)) void q6_k_half_bytes(const uint8_t 
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), pair), 4));
 }
 
+/* How far ahead of a weight row's block the decode rows ask for the weights
+ * (prefetcht0, one line per 64 bytes of the block): without it one decode thread
+ * kept too few lines in flight, and on an Ice Lake Xeon a row of Q4_K read 12
+ * GB/s on two threads, with it 20 (BENCHMARKS.md, avx512-byte-products-v1).
+ * Rows of a thread's range lie one after another, so the lines ahead are its
+ * next rows'. */
+#ifndef DECODE_PREFETCH_AHEAD
+#define DECODE_PREFETCH_AHEAD 4096
+#endif
+
+static inline __attribute__((always_inline)) void prefetch_block_ahead(const uint8_t *block, int bytes) {
+    for (int offset = 0; offset < bytes; offset += 64)
+        _mm_prefetch((const char *)block + DECODE_PREFETCH_AHEAD + offset, _MM_HINT_T0);
+}
+
 /* out[r * os] for one weight row and R rows of x (``groups`` groups each). Per
  * run of eight groups the weights' scales are unpacked once, each row's
  * group scales a * d and its offsets b . (d sum q) taken eight at a time (the
@@ -621,6 +636,7 @@ static inline __attribute__((always_inline)) void direct_rows(int type, int R, c
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 8) {
         const int len = groups - g < 8 ? (int)(groups - g) : 8;
+        prefetch_block_ahead(row + row_bytes(type, g * GROUP), (int)row_bytes(type, 8 * GROUP));
         float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
         const RunScales scales = run_scales(type, row, g, len);
         for (int r = 0; r < R; ++r) run_row_scales(type, x, r * groups + g, len, &scales, scale[r], &even[r]);
@@ -652,6 +668,7 @@ static inline __attribute__((always_inline)) void q4_k_byte_rows(int R, const ui
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 144;
+        prefetch_block_ahead(block, 144);
         const RunScales scales = run_scales(TYPE_Q4_K, row, g, 8);
         float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
         for (int r = 0; r < R; ++r) run_row_scales(TYPE_Q4_K, x, r * groups + g, 8, &scales, scale[r], &even[r]);
@@ -685,6 +702,7 @@ static inline __attribute__((always_inline)) void q6_k_byte_rows(int R, const ui
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 8) {
         const uint8_t *block = row + (g / 8) * 210;
+        prefetch_block_ahead(block, 210);
         const __m256 a = _mm256_set1_ps(f16_at(block + 208)), bias = _mm256_set1_ps(-32.0f);
         const __m256i all_scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 192)));
         float scale[DIRECT_MAX_ROWS][8] __attribute__((aligned(32)));
