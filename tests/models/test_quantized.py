@@ -141,6 +141,27 @@ def test_rows_whose_groups_end_in_a_short_run(kind, path):
         torch.testing.assert_close(got.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("path", ["as-built", "avx512-without-vnni"])
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if ggml_blocks.BLOCK_VALUES[kind] == 32])
+def test_decode_rows_in_pairs_at_every_row_length(kind, path):
+    """With AVX-512 the decode rows take these types two groups at a time, two pairs a
+    step (one masked load of two blocks with VBMI, hidden on the second path), x's
+    integers laid out by pairs: 1 to 9 groups leave every mix of two-pair steps, a
+    pair alone and a group alone. Each of 1 to 4 rows of x equals the reference, and
+    the last row its value alone."""
+    kernel = kernel_for(path)
+    for groups in range(1, 10):
+        cols = groups * 32
+        weight, reference = random_matrix(kind, rows=5, cols=cols, seed=groups)
+        x = torch.randn(4, cols, generator=torch.Generator().manual_seed(groups)) * 4
+        expected = rounded(x, kind).double() @ reference.double().T
+        for num_rows in (1, 2, 3, 4):
+            got = quantized.matmul(x[:num_rows], weight, kernel)
+            torch.testing.assert_close(got.double(), expected[:num_rows],
+                                       atol=2e-6 * expected.abs().max().item(), rtol=0, msg=f"{groups} groups")
+            assert torch.equal(got[num_rows - 1:], quantized.matmul(x[num_rows - 1:num_rows], weight, kernel))
+
+
 @pytest.mark.parametrize("path", ["as-built", "portable-c"])
 def test_activations_round_as_ggml_rounds_them(path):
     x = activations_with_ties()
