@@ -587,19 +587,17 @@ static inline __m256i twice_each(__m128i values) {
     return _mm256_setr_m128i(_mm_unpacklo_epi16(values, values), _mm_unpackhi_epi16(values, values));
 }
 
+/* For the 32-value types: whether a block holds its offset m after d (Q4_1, Q5_1),
+ * else the factor of b = factor * d (Q4_0's -8, Q5_0's -16, 0 for Q8_0 and IQ4_NL). */
+static inline int with_m(int type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
+static inline float offset_factor(int type) { return type == TYPE_Q4_0 ? -8.0f : type == TYPE_Q5_0 ? -16.0f : 0.0f; }
+
 /* a and b of group g of a Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL row (b[0] = b[1]: a group's
  * offset is taken whole, see ``run_scales`` in quant_matmul.c). */
 static inline __attribute__((always_inline)) void group_scales(int type, const uint8_t *row, int64_t g, float *a, float b[2]) {
     const uint8_t *block = row + g * row_bytes(type, GROUP);
     *a = f16_at(block);
-    switch (type) {
-    case TYPE_Q8_0:
-    case TYPE_IQ4_NL: b[0] = 0.0f; break;
-    case TYPE_Q4_0: b[0] = -8.0f * *a; break;
-    case TYPE_Q5_0: b[0] = -16.0f * *a; break;
-    default: b[0] = f16_at(block + 2); break; /* Q4_1, Q5_1 */
-    }
-    b[1] = b[0];
+    b[0] = b[1] = with_m(type) ? f16_at(block + 2) : offset_factor(type) * *a;
 }
 
 /* a and b of the eight groups of a Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-block,

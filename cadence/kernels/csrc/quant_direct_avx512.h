@@ -143,10 +143,6 @@ static inline __attribute__((always_inline)) void pair_words(int type, const uin
     }
 }
 
-/* The factor of b: m itself (Q4_1, Q5_1: the block holds it, after d), or b = factor * d. */
-static inline int with_m(int type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
-static inline float offset_factor(int type) { return type == TYPE_Q4_0 ? -8.0f : type == TYPE_Q5_0 ? -16.0f : 0.0f; }
-
 /* [a_g, b_g, a_g+1, b_g+1] of the pair (the groups' weights are a u + b). */
 static inline __attribute__((always_inline)) __m128 pair_scales(int type, const uint8_t *first, const uint8_t *second) {
     uint16_t d[2];
