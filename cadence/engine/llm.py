@@ -180,6 +180,12 @@ class LLM:
         bar.close()
         while core.has_work() and not core.scheduler.has_unfinished_requests():
             core.step()  # report the last finished ids to the runner
+        if not core.has_work():
+            # Idle until the next call: the heap's pages freed by this call's steps go
+            # back to the kernel, as the engine process does once idle (core_proc).
+            from cadence.runner.host_memory import return_freed_memory  # torch is loaded: the engine runs here
+
+            return_freed_memory()
         if errors:  # the others ran to the end first
             message = "; ".join(f"request {request_id}: {why}" for request_id, why in errors.items())
             raise RuntimeError(message) if faults else ValueError(message)

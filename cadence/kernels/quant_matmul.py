@@ -89,14 +89,20 @@ class QuantMatmul:
         check_blocks(blocks, type_id, k)
         return self.matmul_checked_blocks(x, blocks, type_id, k)
 
-    def matmul_checked_blocks(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+    def matmul_checked_blocks(self, x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
         """``matmul`` for blocks the caller has passed through ``check_blocks`` once (a model's
-        weights, at load): a decode step makes hundreds of these calls, each a few microseconds."""
+        weights, at load): a decode step makes hundreds of these calls, each a few microseconds.
+        ``out``: a contiguous float32 [M, N] to write the product into (and return)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"quant_matmul: x must be float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         n = blocks.shape[0]
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+            raise ValueError(f"quant_matmul: out must be contiguous float32 [{x.shape[0]}, {n}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
         status = self._matmul(type_id, blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], k, out.data_ptr(), n)
         if status:
             _check_status(status)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps
     from cadence.kernels.quant_matmul import QuantMatmul
     from cadence.models.lora_layers import LinearLoRA
+    from cadence.models.step_buffer import StepBuffer
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -71,9 +72,10 @@ class Linear(torch.nn.Module):
         self.quant_kernel: QuantMatmul | None = None  # see LlamaForCausalLM.use_quant_kernel
         self.lora: LinearLoRA | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, buffer: "StepBuffer | None" = None) -> torch.Tensor:
+        """``buffer``: where a product on GGUF blocks may be written (see ``StepBuffer``)."""
         if self.quantized is not None:
-            y = quantized.linear(x, self.quantized, self.bias, self.quant_kernel)
+            y = quantized.linear(x, self.quantized, self.bias, self.quant_kernel, buffer)
         elif self.packed_weight is not None:
             y = packed_weights.packed_linear(x, self.packed_weight, self.bias)
         else:
@@ -237,13 +239,35 @@ class GatedMLP(torch.nn.Module):
                                         checkpoint_fused=checkpoint_fused)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
         self.fused_ops: FusedOps | None = None  # see LlamaForCausalLM.use_fused_ops
+        self.row_slice: int | None = None  # most rows at a time (see slice_feed_forwards)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, most = x.shape[0], self.row_slice
+        if most is None or rows <= most or self._has_adapted_rows():
+            return self._rows(x)
+        # Even slices (2,049 rows: 5 of 410, not a last one of 1 row on another product path).
+        return torch.cat([self._rows(part) for part in x.tensor_split(-(-rows // most))])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         fused = _FUSED_ACTIVATIONS[self.activation]
         if self.fused_ops is not None and fused in self.fused_ops.OPERATIONS:
             return self.down_proj(getattr(self.fused_ops, fused)(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.forward_split(x)  # [T, I] each
         return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)
+
+    def _has_adapted_rows(self) -> bool:
+        """Whether a LoRA adapter has rows in this step: its mapping indexes the
+        step's whole batch, so those rows are not sliced."""
+        return any(proj.lora is not None and proj.lora.mapping.token_rows is not None
+                   for proj in (self.gate_up_proj, self.down_proj))
+
+
+
+def slice_feed_forwards(model: torch.nn.Module, rows: int | None) -> None:
+    """Run each gated feed-forward of ``model`` on at most ``rows`` rows at a time (None: all at once)."""
+    for module in model.modules():
+        if isinstance(module, GatedMLP):
+            module.row_slice = rows
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -57,6 +57,7 @@ from cadence.models.rotary import RotaryEmbedding, apply_rotary
 if TYPE_CHECKING:
     from cadence.kernels.fused_ops import FusedOps
     from cadence.kernels.quant_matmul import QuantMatmul
+    from cadence.models.step_buffer import StepBuffer
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -265,6 +266,8 @@ class LlamaForCausalLM(torch.nn.Module):
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tied_head_packed: torch.Tensor | None = None  # see pack_weights
         self.quant_kernel: QuantMatmul | None = None  # the tied head's, see use_quant_kernel
+        # Where the head's product on GGUF blocks goes, step after step (the runner's, on the CPU).
+        self.logits_buffer: StepBuffer | None = None
         # GGUF block types this model's loader dequantized for want of a kernel -> tensor count
         self.dequantized_at_load: dict[str, int] = {}
 
@@ -278,7 +281,8 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model(input_ids, positions, attention)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] of hidden states [N, hidden] (soft-capped where the model caps)."""
+        """float32 logits [N, vocab] of hidden states [N, hidden] (soft-capped where the model caps).
+        With ``logits_buffer`` set they may be its rows, rewritten by the next call."""
         logits = self._head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
@@ -287,12 +291,12 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden)
+            return self.lm_head(hidden, self.logits_buffer)
         if self.tied_head_packed is not None:
             return packed_weights.packed_linear(hidden, self.tied_head_packed, None)
         table = self.model.embed_tokens.quantized
         if table is not None:
-            return quantized.matmul(hidden, table, self.quant_kernel)
+            return quantized.matmul(hidden, table, self.quant_kernel, self.logits_buffer)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:

@@ -47,6 +47,7 @@ from cadence.models.dequant import FLOAT_TYPES
 
 if TYPE_CHECKING:
     from cadence.kernels.quant_matmul import QuantMatmul
+    from cadence.models.step_buffer import StepBuffer
 
 # none: dequantize every GGUF at load. auto: keep the types below quantized,
 # dequantize others. gguf: keep them, refuse a quantized type without a kernel.
@@ -139,24 +140,28 @@ def _stack(run: list[Part]) -> Part:
 
 
 def linear(x: torch.Tensor, parts: tuple[Part, ...], bias: torch.Tensor | None,
-           kernel: "QuantMatmul | None") -> torch.Tensor:
-    """``x [..., in] @ W.T (+ bias)`` for W stored as ``parts`` (stacked by rows)."""
+           kernel: "QuantMatmul | None", buffer: "StepBuffer | None" = None) -> torch.Tensor:
+    """``x [..., in] @ W.T (+ bias)`` for W stored as ``parts`` (stacked by rows); ``buffer``
+    as ``matmul``'s, for one part."""
     if len(parts) == 1:
-        y = matmul(x, parts[0], kernel)
+        y = matmul(x, parts[0], kernel, buffer)
     else:
         y = torch.cat([matmul(x, part, kernel) for part in parts], dim=-1)
     return y if bias is None else y + bias
 
 
-def matmul(x: torch.Tensor, weight: Part, kernel: "QuantMatmul | None") -> torch.Tensor:
-    """``x [..., in] @ W.T`` in x's dtype, W float or quantized."""
+def matmul(x: torch.Tensor, weight: Part, kernel: "QuantMatmul | None",
+           buffer: "StepBuffer | None" = None) -> torch.Tensor:
+    """``x [..., in] @ W.T`` in x's dtype, W float or quantized. ``buffer``: where the C
+    kernel's float32 product of a 2-D x goes (see ``StepBuffer``); other paths allocate."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight)
     if kernel is None:
         rounded = round_activations(x.float(), weight.ggml_type.value).to(x.dtype)
         return F.linear(rounded, weight.dequantize().to(x.dtype))
     if x.dim() == 2 and x.dtype == torch.float32:  # the model's case: no reshaping, no casts
-        return kernel.matmul_checked_blocks(x, weight.blocks, weight.ggml_type.value, weight.cols)
+        out = None if buffer is None else buffer.rows(x.shape[0], weight.shape[0])
+        return kernel.matmul_checked_blocks(x, weight.blocks, weight.ggml_type.value, weight.cols, out)
     rows = x.reshape(-1, weight.cols).float()
     y = kernel.matmul_checked_blocks(rows, weight.blocks, weight.ggml_type.value, weight.cols)
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)

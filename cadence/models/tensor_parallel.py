@@ -26,6 +26,8 @@ q/k norms over the whole projection (OLMo 2: the norm would need every rank's he
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,9 @@ from cadence.models.config import ModelConfig
 from cadence.models.layers import Embedding, FusedLinear, Linear
 from cadence.models.llama import LlamaForCausalLM
 from cadence.models.tp_group import TensorParallelGroup
+
+if TYPE_CHECKING:
+    from cadence.models.step_buffer import StepBuffer
 
 # Linears whose input is split (the heads' outputs, the MLP's intermediate).
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -105,8 +110,8 @@ class VocabParallelHead(Linear):
         self.group = group
         self.vocab_size = vocab_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.group.all_gather(super().forward(x))  # size x [N, rows]
+    def forward(self, x: torch.Tensor, buffer: StepBuffer | None = None) -> torch.Tensor:
+        parts = self.group.all_gather(super().forward(x, buffer))  # size x [N, rows]
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [N, vocab]
 
 

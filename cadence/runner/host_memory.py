@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from cadence.models.step_buffer import release_step_buffers
+
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -65,8 +67,10 @@ def return_freed_memory() -> bool:
     Loading a model frees its transients (decoded metadata, copied tensors)
     in the middle of the heap, where the trim threshold never reaches: called
     once before the KV cache is allocated, the process's resident memory is
-    the weights and the cache, not the load's leftovers as well.
+    the weights and the cache, not the load's leftovers as well. Called again
+    whenever the engine goes idle; the step buffers (``StepBuffer``) go too.
     """
+    release_step_buffers()
     malloc_trim = _glibc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
     if malloc_trim is None:
         return False

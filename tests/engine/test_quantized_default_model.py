@@ -96,3 +96,21 @@ def test_gguf_mode_is_refused_for_a_folder(tmp_path):
 
     with pytest.raises(ValueError, match="quantization: gguf keeps a GGUF file's blocks"):
         load_model(str(tmp_path), torch.float32, "gguf")
+
+
+def test_the_heads_rows_are_one_buffer_reused_step_after_step_and_dropped_when_idle():
+    if quant_kernel()[0] is None:
+        pytest.skip("no C kernel: the head allocates its product")
+    llm = LLM(dtype="float32", max_num_seqs=8, kv_cache_memory="64MiB")
+    model = llm.engine.core.runner.model
+    buffer = model.logits_buffer
+    taken, rows = [], buffer.rows
+    buffer.rows = lambda n, width: (taken.append((n, width)), rows(n, width))[1]
+    tokenizer = llm.tokenizer
+    prompts = [{"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(conversation(q)),
+                                                     add_special_tokens=False)} for q in QUESTIONS[:3]]
+    streams = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert {n for n, _ in taken} == {3} and len(taken) == max(map(len, streams))  # every step's head
+    assert buffer._data is None  # generate returned with the engine idle: the rows went back
+    model.logits_buffer = None  # a fresh tensor every step, as before
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == streams

@@ -27,6 +27,7 @@ from cadence.kernels.quant_matmul import quant_matmul
 from cadence.models import quantized
 from cadence.models.gguf_loader import load_gguf_model, read_gguf
 from cadence.models.quantized import KERNEL_TYPES, QuantizedTensor, keeps_quantized
+from cadence.models.step_buffer import StepBuffer
 
 KINDS = [t.name for t in KERNEL_TYPES]
 # product path -> CPU features hidden to take it (None: no kernel, PyTorch)
@@ -319,6 +320,19 @@ def test_kernel_refuses_rows_of_the_wrong_width():
     weight, _ = random_matrix("Q8_0", rows=4, cols=64)
     with pytest.raises(ValueError, match="float32"):
         kernel_for("portable-c").matmul(torch.randn(2, 32), weight.blocks, int(weight.ggml_type), 64)
+
+
+def test_a_step_buffer_takes_the_product_and_is_reused():
+    weight, reference = random_matrix("Q8_0", rows=48, cols=64)
+    kernel, buffer = kernel_for("as-built"), StepBuffer()
+    x = torch.randn(5, 64)
+    alone = quantized.matmul(x, weight, kernel)
+    into = quantized.matmul(x, weight, kernel, buffer)
+    assert torch.equal(into, alone) and into.data_ptr() == buffer.rows(5, 48).data_ptr()
+    again = quantized.matmul(x[:3], weight, kernel, buffer)  # fewer rows: the same memory
+    assert again.data_ptr() == into.data_ptr() and torch.equal(again, alone[:3])
+    with pytest.raises(ValueError, match="out must be contiguous float32 \\[5, 48\\]"):
+        kernel.matmul_checked_blocks(x, weight.blocks, int(weight.ggml_type), 64, out=torch.empty(5, 47))
 
 
 def test_parts_of_different_types_concatenate():

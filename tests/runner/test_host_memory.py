@@ -6,6 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from cadence.models.step_buffer import StepBuffer
+from cadence.runner.host_memory import return_freed_memory
 
 SCRIPT = """
 import sys
@@ -33,3 +37,16 @@ def test_freed_heap_pages_stay_until_returned():
     before, kept, after = map(float, result.stdout.split())
     assert kept > before - 20  # keep_freed_memory: nothing went back by itself
     assert after < kept - 150  # return_freed_memory: the 200 MiB did
+
+
+def test_a_step_buffer_keeps_its_rows_until_the_engine_idles():
+    buffer = StepBuffer()
+    first = buffer.rows(4, 8)
+    assert first.shape == (4, 8) and first.is_contiguous() and first.dtype == torch.float32
+    assert buffer.rows(2, 8).data_ptr() == first.data_ptr()  # fewer rows: the same memory
+    more = buffer.rows(6, 8)  # more rows: a larger tensor, kept from now on
+    assert more.shape == (6, 8) and buffer.rows(5, 8).data_ptr() == more.data_ptr()
+    assert buffer.rows(5, 9).shape == (5, 9)  # another width: another tensor
+    return_freed_memory()  # an idle engine's call drops every step buffer
+    assert buffer._data is None
+    assert buffer.rows(1, 3).shape == (1, 3)  # and the next step takes one again
