@@ -262,7 +262,6 @@ class GatedMLP(torch.nn.Module):
                    for proj in (self.gate_up_proj, self.down_proj))
 
 
-
 def slice_feed_forwards(model: torch.nn.Module, rows: int | None) -> None:
     """Run each gated feed-forward of ``model`` on at most ``rows`` rows at a time (None: all at once)."""
     for module in model.modules():

@@ -27,7 +27,7 @@ class StepBuffer:
         """The buffer's first ``rows`` rows [rows, width] (contiguous, contents undefined)."""
         data = self._data
         if data is None or data.shape[1] != width or data.shape[0] < rows:
-            self._data = None  # the old one freed before the new one is taken
+            data = self._data = None  # the old one freed before the new one is taken
             self._data = data = torch.empty(rows, width, dtype=torch.float32)
         return data[:rows]
 
