@@ -42,7 +42,7 @@ def dense_attention(q, k, v, first_pos, sliding_window=None, softcap=None):
 
 
 def make_step(rng, *, num_seqs, block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype,
-              cache_dtype=None):
+              cache_dtype=None, max_cached=40):
     """Random sequences (decodes, short and long chunks with cached prefixes).
 
     Returns the cache (prefixes already written; of ``cache_dtype``, default
@@ -58,7 +58,7 @@ def make_step(rng, *, num_seqs, block_size, num_blocks, num_heads, num_kv_heads,
     seqs = []
     for _ in range(num_seqs):
         kind = rng.choice(["decode", "short", "prefill", "prefill_cached"])
-        num_cached = 0 if kind == "prefill" else rng.randint(1, 40)
+        num_cached = 0 if kind == "prefill" else rng.randint(1, max_cached)
         query_len = {"decode": 1, "short": rng.randint(2, 6)}.get(kind, rng.randint(9, 30))
         seq_len = num_cached + query_len
         blocks = [free_blocks.pop() for _ in range(-(-seq_len // block_size))]
@@ -116,6 +116,26 @@ def test_matches_dense_reference_float32(seed, sliding_window, kernel):
     q, out, starts = run_step(cache, seqs, sliding_window=sliding_window, kernel=kernel, **dims)
     for i, (num_cached, query_len, _, keys, values) in enumerate(seqs):
         expected = dense_attention(q[starts[i] : starts[i + 1]], keys, values, num_cached, sliding_window)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_long_contexts_read_in_chunks_match_the_dense_reference(seed, kernel):
+    """Contexts of up to 700 cached tokens: the native kernel cuts a sequence's keys
+    every 128 positions and merges the pieces; Gemma 3's heads (256 wide, 4 per KV
+    head) and SmolLM2's (64, 3 per KV head), a float16 cache, windows that start
+    inside a chunk, blocks of 3 (not a power of two) or 16 tokens."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_heads, num_kv_heads, head_dim = rng.choice([(4, 1, 256), (9, 3, 64)])
+    dims = dict(num_heads=num_heads, head_dim=head_dim, block_size=rng.choice([3, 16]), dtype=torch.float32)
+    window, softcap = rng.choice([None, 100, 512]), rng.choice([None, None, 30.0])
+    cache, seqs = make_step(rng, num_seqs=rng.randint(1, 4), num_blocks=1024, num_kv_heads=num_kv_heads,
+                            cache_dtype=torch.float16, max_cached=700, **dims)
+    q, out, starts = run_step(cache, seqs, sliding_window=window, kernel=kernel, softcap=softcap, **dims)
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys.half(), values.half(), num_cached, window,
+                                   softcap)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
 
 

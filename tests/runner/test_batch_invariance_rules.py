@@ -96,32 +96,37 @@ def test_pad_step_repeats_the_last_token_as_sequences_of_their_own():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_of_a_row_does_not_depend_on_the_chunking(dtype):
-    """Long queries on the C kernel, in pieces: row p of a 70-token prompt prefilled in one
-    chunk, in chunks of 9 and 61, or decoded one token at a time, is the same to the bit."""
+@pytest.mark.parametrize("length, window", [(70, None), (300, None), (300, 150)])
+def test_attention_of_a_row_does_not_depend_on_the_chunking(dtype, length, window):
+    """Long queries on the C kernel, in pieces: row p of a prompt prefilled in one chunk,
+    in two chunks, or decoded one token at a time, is the same to the bit; past 128
+    tokens the kernel cuts the keys in chunks of its own (at fixed positions), and a
+    window starts the keys at another position in every piece."""
     kernel = paged_attention()
     if kernel is None:
         pytest.skip("no C compiler: the native kernel is unavailable")
-    block_size, heads, kv_heads, dim, length = 16, 4, 2, 32, 70
+    block_size, heads, kv_heads, dim = 16, 4, 2, 32
+    num_blocks = -(-length // block_size)
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(length, h, dim, generator=generator).to(dtype) for h in (heads, kv_heads, kv_heads))
-    table = torch.tensor([[3, 0, 5, 1, 4]], dtype=torch.int32)
+    table = torch.randperm(num_blocks, generator=generator).to(torch.int32)[None, :]
     slots = torch.tensor([int(table[0, p // block_size]) * block_size + p % block_size for p in range(length)])
 
     def attend(chunks):
-        cache = PagedKVCache.allocate(num_layers=1, num_blocks=6, block_size=block_size,
+        cache = PagedKVCache.allocate(num_layers=1, num_blocks=num_blocks, block_size=block_size,
                                       num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)
         out, start = [], 0
         for size in chunks:
             rows = slice(start, start + size)
-            metadata = AttentionMetadata.build([0, size], [start + size], table, slots[rows], block_size,
+            metadata = AttentionMetadata.build([0, size], [start + size], table, slots[rows], block_size, window,
                                                native_short_queries=True, native_long_queries=True)
             out.append(PagedAttention(cache, metadata, kernel=kernel)(0, q[rows], k[rows], v[rows]))
             start += size
         return torch.cat(out)
 
     whole = attend([length])
-    assert torch.equal(attend([9, 61]), whole)
+    assert torch.equal(attend([9, length - 9]), whole)
+    assert torch.equal(attend([length - 61, 61]), whole)
     assert torch.equal(attend([1] * length), whole)
 
 

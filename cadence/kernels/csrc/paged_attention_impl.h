@@ -27,78 +27,132 @@ static inline const float *NAME(token_row)(const KV_ELEM *cache, int64_t slot, i
 /* Ask for token p's row ahead of use: rows of consecutive tokens lie in
  * different blocks at every block boundary, where the hardware cannot guess. */
 static inline void NAME(prefetch_token)(const KV_ELEM *cache, const int32_t *blocks, int64_t p,
-                                        int bs, int width) {
-    const char *row = (const char *)(cache + ((int64_t)blocks[p / bs] * bs + p % bs) * KV_ROW_ELEMS(width));
+                                        const AttentionShape *shape, int width) {
+    const char *row = (const char *)(cache + slot_of(blocks, p, shape) * KV_ROW_ELEMS(width));
     for (int64_t offset = 0; offset < (int64_t)(KV_ROW_ELEMS(width) * sizeof(KV_ELEM)); offset += 64)
         __builtin_prefetch(row + offset, 0, 3);
 }
 
-/* One sequence, all its heads. Always inlined, so a call with a constant
- * head_dim D compiles to fully unrolled vector loops. */
-static inline __attribute__((always_inline)) void NAME(attend)(
-        const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache, ELEM *out,
-        const AttentionShape *shape, const SequenceIndex *seqs, int64_t s,
-        float *work, const int D) {
-    const int Hq = shape->num_heads, Hkv = shape->num_kv_heads, G = Hq / Hkv;
-    const int bs = shape->block_size, width = Hkv * D;
-    const int64_t q_len = seqs->query_len[s], seq_len = seqs->seq_len[s];
-    const int64_t first_pos = seq_len - q_len; /* position of query token 0 */
-    const int64_t key_start = first_visible(first_pos, shape->sliding_window);
-    const int64_t span = seq_len - key_start, rows = q_len * Hq;
-    const int32_t *blocks = seqs->block_table + s * shape->max_blocks;
-    const ELEM *q_seq = q + seqs->query_start[s] * Hq * D;
-    float *q_rows = work;              /* [rows, D], row j * Hq + head, pre-scaled */
-    float *acc = q_rows + rows * D;    /* [rows, D] */
-    float *scores = acc + rows * D;    /* [rows, span] */
-    float *buffer = scores + rows * span; /* [Hkv * D] */
-    NAME(load_row)(q_rows, q_seq, (int)(rows * D), shape->scale);
-
-    for (int64_t p = key_start; p < seq_len; ++p) {
-        int64_t slot = (int64_t)blocks[p / bs] * bs + p % bs;
-        if (p + PREFETCH_AHEAD < seq_len) NAME(prefetch_token)(k_cache, blocks, p + PREFETCH_AHEAD, bs, width);
-        const float *keys = NAME(token_row)(k_cache, slot, width, buffer);
-        for (int64_t j = 0; j < q_len; ++j) {
-            int64_t pos = first_pos + j;
-            if (p > pos || p < first_visible(pos, shape->sliding_window)) continue;
-            for (int head = 0; head < Hq; ++head) {
-                int64_t r = j * Hq + head;
-                scores[r * span + (p - key_start)] = soft_cap(dot(q_rows + r * D, keys + (head / G) * D, D),
-                                                              shape->softcap);
-            }
-        }
+/* Row pointers of the KEY_GROUP keys (values) at positions base .. base + 3;
+ * positions outside [lo, hi) point at position ``lo``'s row (they weigh 0). */
+static inline void NAME(group_rows)(const KV_ELEM *cache, const int32_t *blocks, int64_t base,
+                                    int64_t lo, int64_t hi, const AttentionShape *shape, int width,
+                                    float *buffer, const float **rows) {
+    for (int t = 0; t < KEY_GROUP; ++t) {
+        int64_t p = base + t < lo || base + t >= hi ? lo : base + t;
+        rows[t] = NAME(token_row)(cache, slot_of(blocks, p, shape), width, buffer + t * width);
+        if (base + t + PREFETCH_AHEAD < hi)
+            NAME(prefetch_token)(cache, blocks, base + t + PREFETCH_AHEAD, shape, width);
     }
-    for (int64_t j = 0; j < q_len; ++j) {
-        int64_t pos = first_pos + j;
-        int64_t lo = first_visible(pos, shape->sliding_window) - key_start;
-        int64_t hi = pos + 1 - key_start;
-        for (int head = 0; head < Hq; ++head) softmax(scores + (j * Hq + head) * span, lo, hi);
-    }
-    memset(acc, 0, sizeof(float) * rows * D);
-    for (int64_t p = key_start; p < seq_len; ++p) {
-        int64_t slot = (int64_t)blocks[p / bs] * bs + p % bs;
-        if (p + PREFETCH_AHEAD < seq_len) NAME(prefetch_token)(v_cache, blocks, p + PREFETCH_AHEAD, bs, width);
-        const float *values = NAME(token_row)(v_cache, slot, width, buffer);
-        for (int64_t j = 0; j < q_len; ++j) {
-            int64_t pos = first_pos + j;
-            if (p > pos || p < first_visible(pos, shape->sliding_window)) continue;
-            for (int head = 0; head < Hq; ++head) {
-                int64_t r = j * Hq + head;
-                add_scaled(acc + r * D, values + (head / G) * D, scores[r * span + (p - key_start)], D);
-            }
-        }
-    }
-    ELEM *out_seq = out + seqs->query_start[s] * Hq * D;
-    for (int64_t i = 0; i < rows * D; ++i) out_seq[i] = STORE(acc[i]);
 }
 
-/* attend() specialised for the common head sizes. */
-static void NAME(attend_any)(const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache,
-                             ELEM *out, const AttentionShape *shape,
-                             const SequenceIndex *seqs, int64_t s, float *work) {
+/* One task: keys [lo, hi) of one sequence (one chunk) for all its query rows,
+ * into the task's partial: per row the max score m, the sum of e^(score - m)
+ * and the values weighted by it. Always inlined, so a call with a constant
+ * head_dim D compiles to fully unrolled vector loops. */
+static inline __attribute__((always_inline)) void NAME(attend_chunk)(
+        const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache, const AttentionShape *shape,
+        const SequenceIndex *seqs, const AttentionTask *task, float *partials, float *work, const int D) {
+    const int Hq = shape->num_heads, Hkv = shape->num_kv_heads, G = Hq / Hkv;
+    const int width = Hkv * D;
+    const int64_t s = task->seq, lo = task->lo, hi = task->hi;
+    const int64_t q_len = seqs->query_len[s], first_pos = seqs->seq_len[s] - q_len;
+    const int64_t rows = q_len * Hq, chunk = lo / KEY_CHUNK * KEY_CHUNK, first_group = lo / KEY_GROUP * KEY_GROUP;
+    const int32_t *blocks = seqs->block_table + s * shape->max_blocks;
+    float *q_rows = work;                  /* [rows, D], row j * Hq + head, pre-scaled */
+    float *scores = q_rows + rows * D;     /* [rows, KEY_CHUNK], key p at p - chunk */
+    float *buffer = scores + rows * KEY_CHUNK; /* [KEY_GROUP, Hkv * D] */
+    float *zeros = buffer + KEY_GROUP * width; /* [D]: the values of a key that weighs 0 */
+    float *max = partials + task->partial, *sum = max + rows, *acc = sum + rows;
+    const float *group[KEY_GROUP];
+    int head_offset[Hq]; /* where head h's KV head lies in a token's row (no division per key) */
+    for (int h = 0; h < Hq; ++h) head_offset[h] = h / G * D;
+    NAME(load_row)(q_rows, q + seqs->query_start[s] * Hq * D, (int)(rows * D), shape->scale);
+
+    for (int64_t base = first_group; base < hi; base += KEY_GROUP) {
+        NAME(group_rows)(k_cache, blocks, base, lo, hi, shape, width, buffer, group);
+        for (int64_t j = 0, r = 0; j < q_len; ++j) {
+            for (int h = 0; h < Hq; ++h, ++r) {
+                const float *keys[KEY_GROUP];
+                for (int t = 0; t < KEY_GROUP; ++t) keys[t] = group[t] + head_offset[h];
+                float *row = scores + r * KEY_CHUNK + (base - chunk);
+                dot_group(q_rows + r * D, keys, D, row);
+                if (shape->softcap > 0.0f)
+                    for (int t = 0; t < KEY_GROUP; ++t) row[t] = soft_cap(row[t], shape->softcap);
+            }
+        }
+    }
+    /* Each row's keys in this chunk: [row_lo, row_hi), the rest of its groups weigh 0. */
+    int64_t group_end = (hi + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t pos = first_pos + r / Hq, row_lo = first_visible(pos, shape->sliding_window), row_hi = pos + 1;
+        row_lo = row_lo > lo ? row_lo : lo;
+        row_hi = row_hi < hi ? row_hi : hi;
+        float *row = scores + r * KEY_CHUNK - chunk;
+        if (row_lo >= row_hi) {
+            max[r] = -INFINITY, sum[r] = 0.0f;
+            continue;
+        }
+        max[r] = exp_shifted(row, row_lo, row_hi, sum + r);
+        for (int64_t p = first_group; p < row_lo; ++p) row[p] = 0.0f;
+        for (int64_t p = row_hi; p < group_end; ++p) row[p] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * rows * D);
+    memset(zeros, 0, sizeof(float) * D);
+    for (int64_t base = first_group; base < hi; base += KEY_GROUP) {
+        NAME(group_rows)(v_cache, blocks, base, lo, hi, shape, width, buffer, group);
+        for (int64_t j = 0, r = 0; j < q_len; ++j, r += Hq) {
+            int64_t pos = first_pos + j;
+            if (base > pos || base + KEY_GROUP <= first_visible(pos, shape->sliding_window))
+                continue; /* no key of this group is the token's */
+            for (int h = 0; h < Hq; ++h) {
+                const float *weights = scores + (r + h) * KEY_CHUNK + (base - chunk), *values[KEY_GROUP];
+                for (int t = 0; t < KEY_GROUP; ++t) /* 0 x 0, where 0 x inf would be NaN */
+                    values[t] = weights[t] == 0.0f ? zeros : group[t] + head_offset[h];
+                add_scaled_group(acc + (r + h) * D, values, weights, D);
+            }
+        }
+    }
+}
+
+/* attend_chunk() specialised for the common head sizes. */
+static void NAME(attend_chunk_any)(const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM *v_cache,
+                                   const AttentionShape *shape, const SequenceIndex *seqs,
+                                   const AttentionTask *task, float *partials, float *work) {
     switch (shape->head_dim) {
-    case 64: NAME(attend)(q, k_cache, v_cache, out, shape, seqs, s, work, 64); break;
-    case 128: NAME(attend)(q, k_cache, v_cache, out, shape, seqs, s, work, 128); break;
-    default: NAME(attend)(q, k_cache, v_cache, out, shape, seqs, s, work, shape->head_dim);
+    case 64: NAME(attend_chunk)(q, k_cache, v_cache, shape, seqs, task, partials, work, 64); break;
+    case 128: NAME(attend_chunk)(q, k_cache, v_cache, shape, seqs, task, partials, work, 128); break;
+    case 256: NAME(attend_chunk)(q, k_cache, v_cache, shape, seqs, task, partials, work, 256); break;
+    default: NAME(attend_chunk)(q, k_cache, v_cache, shape, seqs, task, partials, work, shape->head_dim);
+    }
+}
+
+/* out's rows of the sequence whose tasks are tasks[0 .. count): their chunks
+ * merged in order. */
+static void NAME(merge_chunks)(ELEM *out, const AttentionShape *shape, const SequenceIndex *seqs,
+                               const AttentionTask *tasks, int64_t count, const float *partials) {
+    const int D = shape->head_dim;
+    const int64_t s = tasks[0].seq, rows = seqs->query_len[s] * shape->num_heads;
+    ELEM *out_seq = out + seqs->query_start[s] * shape->num_heads * D;
+    for (int64_t r = 0; r < rows; ++r) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < count; ++c) {
+            float m = partials[tasks[c].partial + r];
+            top = m > top ? m : top;
+        }
+        for (int64_t c = 0; c < count; ++c) {
+            const float *max = partials + tasks[c].partial, *sum = max + rows;
+            if (max[r] != -INFINITY) total += exp_approx(max[r] - top) * sum[r];
+        }
+        float merged[D];
+        memset(merged, 0, sizeof merged);
+        for (int64_t c = 0; c < count; ++c) {
+            const float *max = partials + tasks[c].partial, *acc = max + 2 * rows + r * D;
+            if (max[r] == -INFINITY) continue;
+            const float weight = exp_approx(max[r] - top) / total;
+            for (int i = 0; i < D; ++i) merged[i] += weight * acc[i];
+        }
+        for (int i = 0; i < D; ++i) out_seq[r * D + i] = STORE(merged[i]);
     }
 }
 
@@ -111,17 +165,25 @@ void NAME(paged_attention)(const ELEM *q, const KV_ELEM *k_cache, const KV_ELEM 
     AttentionShape shape = {num_seqs,   num_heads,  num_kv_heads,   head_dim,
                             block_size, max_blocks, sliding_window, scale, softcap};
     SequenceIndex seqs = {query_start, query_len, seq_len, block_table};
-    int64_t max_work = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        int64_t need = work_floats(&shape, &seqs, s);
-        max_work = need > max_work ? need : max_work;
-    }
+    int64_t num_tasks, partial_floats, max_work = work_floats(&shape, &seqs);
+    AttentionTask *tasks = attention_tasks(&shape, &seqs, &num_tasks, &partial_floats);
+    float *partials = (float *)malloc(sizeof(float) * (size_t)(partial_floats > 0 ? partial_floats : 1));
     #pragma omp parallel
     {
         float *work = (float *)malloc(sizeof(float) * (size_t)max_work);
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; ++s)
-            NAME(attend_any)(q, k_cache, v_cache, out, &shape, &seqs, s, work);
+        for (int64_t t = 0; t < num_tasks; ++t)
+            NAME(attend_chunk_any)(q, k_cache, v_cache, &shape, &seqs, tasks + t, partials, work);
         free(work);
+        /* each sequence's first task: the sequences' merges, once every task is done */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < num_tasks; ++t) {
+            if (t > 0 && tasks[t - 1].seq == tasks[t].seq) continue;
+            int64_t count = 1;
+            while (t + count < num_tasks && tasks[t + count].seq == tasks[t].seq) ++count;
+            NAME(merge_chunks)(out, &shape, &seqs, tasks + t, count, partials);
+        }
     }
+    free(partials);
+    free(tasks);
 }
