@@ -20,7 +20,10 @@ configuration's (the ratio, target >= 0.95) and says which is best. With
 ``--llamacpp-python`` (a Python with llama-cpp-python) llama.cpp runs the
 same three measures on the same file and threads, for the record.
 ``--one-call`` adds the one-call decoder against the layers one by one
-(defaults otherwise), single stream.
+(defaults otherwise), single stream. ``--pairs N`` runs the defaults and
+llama.cpp N times, alternately, and reports each pair's ratios and their
+median: on a machine whose speed drifts from minute to minute, a ratio of
+two processes run minutes apart means little.
 
     python bench/defaults.py --quick                      # a smoke run
     python bench/defaults.py --llamacpp-python /work/llamacpp-peer/bin/python --one-call
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -176,6 +180,16 @@ def run_child(kind: str, job: dict, args) -> dict:
                               wait_quiet_s=args.wait_quiet)
 
 
+def pair_ratios(pairs: list[tuple[dict, dict]]) -> str:
+    """Each (defaults, llama.cpp) pair's ratios, one line a figure, and their median."""
+    lines = ["", f"defaults / llama.cpp, {len(pairs)} pairs run alternately (each pair's ratio; median):"]
+    for figure in FIGURES:
+        ratios = [ours[figure] / theirs[figure] for ours, theirs in pairs]
+        lines.append(f"- {figure}: " + ", ".join(f"{r:.2f}x" for r in ratios)
+                     + f"; median {statistics.median(ratios):.2f}x")
+    return "\n".join(lines)
+
+
 def report(results: dict[str, dict], model: str) -> str:
     explicit = {name: r for name, r in results.items() if name not in ("defaults", "llama.cpp")
                 and not name.startswith("defaults,")}
@@ -215,6 +229,8 @@ def main() -> None:
     parser.add_argument("--one-call", action="store_true", help="also the defaults with the layers one by one")
     parser.add_argument("--llamacpp-python", metavar="PYTHON", help="a Python with llama-cpp-python")
     parser.add_argument("--llamacpp-threads", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=1, metavar="N",
+                        help="run the defaults and llama.cpp N times, alternately (with --llamacpp-python)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few prompts and tokens")
     parser.add_argument("--max-others", type=float, default=0.25, metavar="CORES")
     parser.add_argument("--max-attempts", type=int, default=2)
@@ -248,9 +264,21 @@ def main() -> None:
         tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         peer_job = job | {"threads": args.llamacpp_threads,
                           "prefill_prompt_ids": prefill_ids(tokenize, job["prefill_tokens"], job["prefill_tokens"])}
-        print(f"running llama.cpp ({uptime()}) ...", flush=True)
-        results["llama.cpp"] = run_child("llamacpp", peer_job, args)
+        pairs = []
+        for k in range(args.pairs):
+            if k:
+                print(f"running defaults again, pair {k + 1} ({uptime()}) ...", flush=True)
+                ours = run_child("cadence", job | {"options": {}}, args)
+                print(f"  {json.dumps(ours)}", flush=True)
+            print(f"running llama.cpp ({uptime()}) ...", flush=True)
+            theirs = run_child("llamacpp", peer_job, args)
+            print(f"  {json.dumps(theirs)}", flush=True)
+            pairs.append((ours if k else results["defaults"], theirs))
+        results["llama.cpp"] = pairs[0][1]
     text = report(results, model)
+    if args.llamacpp_python and args.pairs > 1:
+        text += "\n" + pair_ratios(pairs)
+        results["pairs"] = [{"defaults": ours, "llama.cpp": theirs} for ours, theirs in pairs]
     print("\n" + text)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
