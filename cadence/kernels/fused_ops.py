@@ -32,6 +32,8 @@ MOE_SIGNATURES = {
     "moe_route_f32": [_PTR, _I64, _I64, _I64, _INT, _PTR, _PTR],
     "moe_combine_f32": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR],
 }
+# float32 logits: each row's argmax (returns 0, or -2 without memory).
+ARGMAX_SIGNATURE = [_PTR, _I64, _I64, _I64, _PTR]
 
 
 class FusedOps:
@@ -52,6 +54,8 @@ class FusedOps:
             function = getattr(library, name)
             function.restype, function.argtypes = None, argtypes
             self._functions[name, torch.float32] = function
+        self._argmax = library.argmax_rows_f32
+        self._argmax.restype, self._argmax.argtypes = _INT, ARGMAX_SIGNATURE
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether CPU tensors of ``dtype`` can go through these functions."""
@@ -161,6 +165,18 @@ class FusedOps:
         out = torch.empty(rows, outs.shape[1], dtype=torch.float32)
         self._functions["moe_combine_f32", torch.float32](outs.data_ptr(), pair_rows.data_ptr(), weights.data_ptr(),
                                                           rows, k, outs.shape[1], out.data_ptr())
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [B]: each row's ``logits.argmax(dim=-1)`` for float32 CPU logits [B, V] whose
+        rows are contiguous (the first of equal maxima; a row's first NaN if it has one);
+        other tensors go to torch.argmax."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" \
+                or logits.stride(1) != 1 or not logits.shape[0] or not logits.shape[1]:
+            return logits.argmax(dim=-1)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        if self._argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()):
+            raise MemoryError("argmax: no memory for the rows' chunks")
         return out
 
 

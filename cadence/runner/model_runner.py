@@ -268,6 +268,8 @@ class ModelRunner(RunnerBase):
             self.model.pack_weights()
         if paths.fused_ops is not None and paths.fused_ops.supports(dtype):
             self.model.use_fused_ops(paths.fused_ops)
+        if paths.fused_ops is not None:  # (logits are float32 whatever the model's dtype)
+            self.sampler = Sampler(argmax=paths.fused_ops.argmax)
         self.model.use_quant_kernel(paths.quant_matmul)
         kernel = paths.attention_kernel
         fits = kernel is not None and kernel.supports(dtype, self.kv_cache_dtype)

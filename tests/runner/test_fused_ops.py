@@ -243,3 +243,73 @@ def test_unavailable_when_native_code_is_disabled(monkeypatch, tmp_path):
     finally:
         native.load.cache_clear()
         fused_module.fused_ops.cache_clear()
+
+
+# ------------------------------------------------------------------ argmax
+# Each -march reaches one of the kernel's paths: AVX-512 (where the machine has
+# it), AVX2 (x86-64-v3), scalar (x86-64-v2).
+ARGMAX_BUILDS = ["native", "x86-64-v3", "x86-64-v2"]
+
+
+def argmax_build(march):
+    library = fused_module.fused_ops(march)
+    if library is None:
+        pytest.skip(f"fused ops do not build for -march={march} here")
+    return library
+
+
+def logits_with(rows, width, seed, ties=False, nans=(), infs=()):
+    generator = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct values: many equal maxima, across chunks too
+        logits = torch.randint(0, 3, (rows, width), generator=generator).float()
+    else:
+        logits = torch.randn(rows, width, generator=generator)
+    for row, column, value in [*((r, c, float("nan")) for r, c in nans), *infs]:
+        logits[row, column] = value
+    return logits
+
+
+@pytest.mark.parametrize("march", ARGMAX_BUILDS)
+@pytest.mark.parametrize("rows, width", [(1, 1), (1, 17), (3, 49_152), (1, 262_144), (5, 16_385), (2, 40_000)])
+def test_argmax_is_torchs(march, rows, width):
+    ops = argmax_build(march)
+    for seed, ties in ((rows * width, False), (7, True)):
+        logits = logits_with(rows, width, seed, ties=ties)
+        assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("march", ARGMAX_BUILDS)
+def test_argmax_takes_the_first_nan_the_first_of_equal_maxima_and_minus_infinity_rows(march):
+    ops = argmax_build(march)
+    width = 40_000  # three chunks
+    logits = logits_with(4, width, 3, nans=[(0, 35_000), (0, 30_001), (1, width - 1)],
+                         infs=[(2, 20_000, float("inf")), (2, 39_000, float("inf"))])
+    logits[3] = float("-inf")
+    expected = logits.argmax(dim=-1)
+    assert expected.tolist() == [30_001, width - 1, 20_000, 0]
+    assert torch.equal(ops.argmax(logits), expected)
+    zeros = torch.zeros(1, 100)
+    zeros[0, 3] = -0.0  # equal to 0.0: the first index wins
+    assert ops.argmax(zeros).tolist() == zeros.argmax(dim=-1).tolist() == [0]
+
+
+def test_argmax_reads_strided_rows_and_hands_other_tensors_to_torch(ops):
+    wide = logits_with(4, 50_000, 11)
+    rows = wide[:, 7:45_000]  # row stride 50,000: read in place
+    assert torch.equal(ops.argmax(rows), rows.argmax(dim=-1))
+    for other in (wide.t(), wide.double(), wide[0]):  # columns strided, float64, one dimension
+        assert torch.equal(ops.argmax(other), other.argmax(dim=-1))
+
+
+def test_the_cpu_runner_samples_greedy_rows_with_the_c_argmax(ops):
+    from cadence.runner.model_runner import ModelRunner
+    from cadence.runner.sampler import Sampler
+
+    model = random_model(tiny_config(), seed=0)
+    runner = ModelRunner(model, model.config, block_size=16, num_blocks=32, dtype=torch.float32,
+                         max_num_seqs=4, max_model_len=128)
+    fused = runner.cpu_paths.fused_ops
+    if fused is None:  # C kernels hidden (CADENCE_HIDE_CPU_FEATURES): PyTorch's argmax
+        assert runner.sampler.argmax is Sampler().argmax
+    else:
+        assert runner.sampler.argmax == fused.argmax

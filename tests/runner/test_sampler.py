@@ -519,3 +519,27 @@ def test_a_draw_on_the_cdf_skips_zero_probabilities_and_never_runs_past_the_end(
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 5)
     uniform = torch.tensor([[0.0], [0.49], [0.5], [0.999], [1.0]])  # 1.0: a draw rounded up to the total
     assert place_on_cdf(probs, uniform).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_a_given_argmax_picks_the_greedy_rows_of_a_mixed_batch():
+    """Sampler(argmax=...) takes every greedy row's token from that function, and the
+    random rows' draws are the same as without it (the C kernel's, FusedOps.argmax)."""
+    calls = []
+
+    def counting_argmax(logits):
+        calls.append(tuple(logits.shape))
+        return logits.argmax(dim=-1)
+
+    logits = torch.randn(4, 1000, generator=make_generator(3))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=9)] * 2
+
+    def draw(sampler):
+        metadata = build(params, 1000, generators=[None, make_generator(9), None, make_generator(9)])
+        return sampler.sample(logits, metadata).sampled_token_ids
+
+    assert torch.equal(draw(Sampler(argmax=counting_argmax)), draw(Sampler()))
+    assert calls == [(4, 1000)]
+    greedy = build([SamplingParams(temperature=0.0)] * 4, 1000)
+    assert torch.equal(Sampler(argmax=counting_argmax).sample(logits, greedy).sampled_token_ids,
+                       logits.argmax(dim=-1))
+    assert calls == [(4, 1000)] * 2
