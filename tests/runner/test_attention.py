@@ -322,3 +322,49 @@ def test_decodes_of_very_different_lengths_are_grouped(kernel):
         torch.zeros(len(seqs), dtype=torch.long), block_size,
     ).batched
     assert 1 < len(groups) < len(seqs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("heads", [(8, 1, 64), (6, 1, 32), (5, 1, 16), (12, 2, 64), (4, 1, 256), (3, 3, 48)])
+def test_a_float16_cache_read_in_place_for_any_group_of_heads(seed, heads, kernel):
+    """Where the CPU has AVX-512 and the head size is a multiple of 16, a float16
+    cache is read in place, four query heads of a KV head at a time (groups of 8,
+    6, 5 heads take two passes): every head against the dense reference over the
+    rounded keys, with windows, soft caps, multi-token queries and long contexts."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_heads, num_kv_heads, head_dim = heads
+    dims = dict(num_heads=num_heads, head_dim=head_dim, block_size=rng.choice([4, 16]), dtype=torch.float32)
+    cache, seqs = make_step(rng, num_seqs=rng.randint(1, 5), num_blocks=512, num_kv_heads=num_kv_heads,
+                            cache_dtype=torch.float16, max_cached=rng.choice([40, 300]), **dims)
+    window, softcap = rng.choice([None, 7, 150]), rng.choice([None, 20.0])
+    q, out, starts = run_step(cache, seqs, sliding_window=window, kernel=kernel, softcap=softcap, **dims)
+    for i, (num_cached, _, _, keys, values) in enumerate(seqs):
+        expected = dense_attention(q[starts[i] : starts[i + 1]], keys.half(), values.half(), num_cached, window,
+                                   softcap)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_infinite_value_outside_a_window_weighs_nothing(kernel):
+    """A cached value of +inf at a key that one query token's window has left
+    (weight 0) while the step's other token still sees it: the first token's
+    heads see inf, the second's must stay finite (0 x inf would be NaN), heads
+    sharing a pass over the float16 cache included. The native kernel's rule
+    (PyTorch's path gives NaN there, as SDPA does)."""
+    if kernel is None:
+        pytest.skip("the native kernel's rule")
+    block_size, heads, head_dim, window = 4, 8, 32, 6
+    cache = PagedKVCache.allocate(num_layers=1, num_blocks=8, block_size=block_size, num_kv_heads=1,
+                                  head_dim=head_dim, dtype=torch.float16)
+    torch.manual_seed(0)
+    num_cached = 13  # tokens at 13 (sees keys 8..13) and 14 (sees 9..14): key 8, in group 8..11, is 13's only
+    keys, values = torch.randn(num_cached + 2, 1, head_dim), torch.randn(num_cached + 2, 1, head_dim)
+    values[8] = float("inf")
+    seqs = [(num_cached, 2, [3, 1, 6, 0], keys, values)]
+    q, out, _ = run_step(cache, seqs, num_heads=heads, head_dim=head_dim, block_size=block_size,
+                         dtype=torch.float32, sliding_window=window, kernel=kernel)
+    assert not torch.isfinite(out[0]).all()  # the token that sees the inf
+    assert torch.isfinite(out[1]).all()
+    visible = values.half().nan_to_num(posinf=0.0)  # (the reference would multiply 0 by it)
+    expected = dense_attention(q[1:], keys.half(), visible, num_cached + 1, window)
+    torch.testing.assert_close(out[1:].double(), expected, atol=1e-5, rtol=1e-5)

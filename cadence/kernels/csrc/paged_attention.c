@@ -48,6 +48,9 @@
 #include <string.h>
 
 #include "common.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* Tokens ahead whose keys (values) are prefetched. */
 #define PREFETCH_AHEAD 8
@@ -192,7 +195,11 @@ static int64_t work_floats(const AttentionShape *shape, const SequenceIndex *seq
 #define KV_ELEM uint16_t
 #define KV_IS_FLOAT 0
 #define KV_ROW_TO_FLOAT f16_row_to_float
+#if defined(__AVX512F__) /* float16 keys and values read in place (paged_attention_impl.h) */
+#define KV_DIRECT_F16 1
+#endif
 #include "paged_attention_impl.h"
+#undef KV_DIRECT_F16
 #undef SUFFIX
 #undef KV_ROW_TO_FLOAT
 
