@@ -53,6 +53,7 @@ def test_fused_ops_bindings_match_their_prototypes():
     expected = {f"{name}_{suffix}": argtypes
                 for name, argtypes in fused_ops.SIGNATURES.items() for suffix in ELEMENT_SUFFIXES}
     expected |= fused_ops.MOE_SIGNATURES  # float32 only
+    expected["argmax_rows_f32"] = fused_ops.ARGMAX_SIGNATURE
     assert set(prototypes) == set(expected)
     for name, argtypes in expected.items():
         assert prototypes[name] == argtypes, name
