@@ -29,8 +29,9 @@
  *
  * Query row r = j * Hq + h is query token j (position seq_len - q_len + j) of
  * head h; it sees keys max(0, pos - window + 1) .. pos. Keys and values are
- * float32, bfloat16, float16 or q8_0 (widened to float32 as they are read);
- * sums are float32.
+ * float32, bfloat16, float16 or q8_0 (widened to float32 as they are read;
+ * float16 in registers where the CPU has AVX-512, for up to four query heads
+ * of a KV head at once); sums are float32.
  *
  * Tasks run on OpenMP threads. Loaded after torch, this library shares
  * torch's libgomp (same soname), so it uses torch's threads and thread count.
